@@ -1,0 +1,141 @@
+"""Model configuration and the small per-family differences of supported architectures.
+
+Every supported family is one decoder layout (pre-norm attention + gated MLP, RoPE, optional
+grouped-query attention); a family is a short declarative description of how it differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from delspec.errors import ModelFormatError
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one architecture family from the plain Llama layout."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3)
+    sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    activation: str = "silu"  # "silu" or "gelu_tanh"
+    norm_offset: float = 0.0  # RMSNorm weight stored as (w - offset) in HF checkpoints
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "gemma3_text": Family(
+        qk_norm=True, sandwich_norm=True, embed_scale=True, activation="gelu_tanh", norm_offset=1.0
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a decoder-only transformer."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_embeddings: bool = False
+    # Gemma 3: per-layer attention type and the local layers' window and RoPE base.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    attn_scale: float | None = None  # softmax scale; default 1/sqrt(head_dim)
+    final_logit_softcap: float | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+
+def _eos_ids(raw: Any) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    return tuple(raw) if isinstance(raw, list | tuple) else (int(raw),)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Build a `ModelConfig` from a Hugging Face `config.json` dictionary.
+
+    Raises `ModelFormatError` naming the architecture when it is not supported.
+    """
+    model_type = hf.get("model_type")
+    if model_type == "gemma3":  # multimodal wrapper: the text model is what we run
+        hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
+    if model_type not in FAMILIES:
+        raise ModelFormatError(
+            f"unsupported architecture {model_type!r}; delspec supports: {', '.join(FAMILIES)}"
+        )
+    try:
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        rope_scaling = hf.get("rope_scaling") or None
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")  # transformers >= 5 stores RoPE settings here
+        rope_local_theta = hf.get("rope_local_base_freq")
+        if isinstance(rope_params, dict):
+            if "full_attention" in rope_params:  # per attention type (Gemma 3)
+                local = rope_params.get("sliding_attention", {})
+                rope_local_theta = local.get("rope_theta", rope_local_theta)
+                rope_params = rope_params["full_attention"]
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        family = FAMILIES[model_type]
+        layer_types = tuple(hf.get("layer_types") or ())
+        sliding_window = hf.get("sliding_window") if layer_types else None
+        query_scale = hf.get("query_pre_attn_scalar")
+        return ModelConfig(
+            family=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            max_position=int(hf.get("max_position_embeddings", 2048)),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6 if family.embed_scale else 1e-5)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", family.embed_scale)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=layer_types,
+            rope_local_theta=float(rope_local_theta) if rope_local_theta else None,
+            attn_scale=float(query_scale) ** -0.5 if query_scale else None,
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFormatError(f"config.json is missing or has a bad value for {exc}") from exc

@@ -1,0 +1,213 @@
+"""The draft/verify engine: prefill and one self-speculative round at a time (LayerSkip mechanics).
+
+A round starts from the newest committed token (not yet run through any layer). Drafting runs
+layers [0, E) plus the exit head on it, autoregressively. Verification runs layers [0, E) on the
+last draft token only, then layers [E, L) over every unverified position in one pass, using the
+layer-E states kept from drafting. Acceptance is greedy (longest matching prefix plus the target's
+token) or speculative sampling. The engine knows no policy: it is told the exit layer, the draft
+cap, and asked after each draft token whether to go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from delspec.model import Transformer
+from delspec.sampling import Sampling, draw, speculative_accept
+
+
+class ExitHead:
+    """Logits of an early exit: final norm + LM head over a vocabulary (all rows by default).
+
+    Subclasses may restrict `vocab` (token id of each logit column) or transform the exit state.
+    """
+
+    vocab: Tensor | None = None
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
+        """Logits `[tokens, len(vocab)]` of layer `exit_layer`'s states `h`."""
+        return self.model.head(h)
+
+    def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
+        """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states."""
+        return self.model.head(hidden)
+
+
+@dataclass
+class Round:
+    """What happened in one round; positions are relative to the round's first input."""
+
+    position: int  # absolute position of the round's input token
+    exit_layer: int  # E; 0 for a plain (no-draft) step
+    drafted: list[int]
+    confidences: list[float]  # exit-head probability of each drafted token
+    accepted: int
+    tokens: list[int]  # committed: accepted drafts + the target's token
+    targets: Tensor  # greedy target token after each of context + T + 1 positions
+    hidden: Tensor | None = None  # [layers, context + T + 1, hidden] when collected
+    context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # policy annotations for traces
+
+
+class Engine:
+    """Holds one sequence's committed tokens and runs rounds on a model's KV cache."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        sampling: Sampling,
+        eos_token_ids: tuple[int, ...] = (),
+        exit_head: ExitHead | None = None,
+    ) -> None:
+        self.model = model
+        self.sampling = sampling
+        self.eos = frozenset(eos_token_ids)
+        self.exit_head = exit_head or ExitHead(model)
+        self.generator = sampling.generator(model.device)
+        self.tokens: list[int] = []
+        self._context: tuple[Tensor, Tensor] | None = None
+
+    def _ids(self, tokens: list[int]) -> Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.model.device)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], capacity: int, window: int = 0) -> None:
+        """Start a sequence: run all but the last prompt token through every layer.
+
+        `capacity` is the number of positions to reserve. With `window > 0`, the per-layer states
+        of the last `window` prefilled positions and their target tokens are handed to the first
+        round as teacher-forced context (DEL's warm-up).
+        """
+        self.tokens = list(prompt)
+        self._context = None
+        model = self.model
+        model.setup_cache(capacity)
+        if len(prompt) < 2:
+            return
+        collect: list[Tensor] | None = [] if window else None
+        model.run_layers(model.embed(self._ids(prompt[:-1])), 0, 0, model.num_layers, collect)
+        if collect:
+            w = min(window, len(prompt) - 1)
+            hidden = torch.stack([h[-w:] for h in collect])
+            self._context = (hidden, model.head(hidden[-1]).argmax(-1))
+
+    @torch.inference_mode()
+    def round(
+        self,
+        exit_layer: int,
+        draft_cap: int,
+        keep_drafting: Callable[[int, float], bool],
+        collect: bool = False,
+    ) -> Round:
+        """Run one round and commit its tokens. `draft_cap == 0` means a plain full step."""
+        model, sampling = self.model, self.sampling
+        num_layers = model.num_layers
+        pos = len(self.tokens) - 1
+        if draft_cap < 1 or not 0 < exit_layer < num_layers:
+            exit_layer, draft_cap = 0, 0
+        t0 = time.perf_counter()
+        drafted: list[int] = []
+        confidences: list[float] = []
+        draft_probs: list[Tensor] = []
+        states: list[Tensor] = []
+        early: list[Tensor] = []  # per draft step: [E, 1, hidden]
+        token = self.tokens[-1]
+        for step in range(draft_cap):
+            layers: list[Tensor] | None = [] if collect else None
+            h = model.run_layers(model.embed(self._ids([token])), pos + step, 0, exit_layer, layers)
+            states.append(h)
+            if layers is not None:
+                early.append(torch.stack(layers))
+            token, confidence = self._draft_token(h, exit_layer, draft_probs)
+            drafted.append(token)
+            confidences.append(confidence)
+            if (
+                token in self.eos
+                or step + 1 == draft_cap
+                or not keep_drafting(step + 1, confidence)
+            ):
+                break
+        t1 = time.perf_counter()
+
+        n = len(drafted)
+        deep: list[Tensor] | None = [] if collect else None
+        if n == 0:
+            h = model.run_layers(model.embed(self._ids([token])), pos, 0, num_layers, deep)
+        else:
+            last: list[Tensor] | None = [] if collect else None
+            h_last = model.run_layers(
+                model.embed(self._ids(drafted[-1:])), pos + n, 0, exit_layer, last
+            )
+            h = model.run_layers(torch.cat([*states, h_last]), pos, exit_layer, num_layers, deep)
+            if collect:
+                early.append(torch.stack(last))
+        logits = model.head(h)
+        targets = logits.argmax(-1)
+        if sampling.greedy:
+            target_list = targets.tolist()
+            accepted = next((i for i in range(n) if drafted[i] != target_list[i]), n)
+            next_token = target_list[accepted]
+        else:
+            probs = sampling.probs(logits)
+            if n:
+                accepted, next_token = speculative_accept(
+                    probs, torch.stack(draft_probs), drafted, self.generator
+                )
+            else:
+                accepted, next_token = 0, draw(probs[0], self.generator)
+        committed = [*drafted[:accepted], next_token]
+        self.tokens.extend(committed)
+        t2 = time.perf_counter()
+
+        hidden = None
+        if collect:
+            hidden = (
+                torch.stack(deep) if n == 0 else torch.cat([torch.cat(early, 1), torch.stack(deep)])
+            )
+        record = Round(pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden)
+        record.draft_s, record.verify_s = t1 - t0, t2 - t1
+        if self._context is not None:
+            context_hidden, context_targets = self._context
+            self._context = None
+            if collect:
+                record.hidden = torch.cat([context_hidden, hidden], 1)
+                record.targets = torch.cat([context_targets, targets])
+                record.context = context_hidden.shape[1]
+        return record
+
+    def _draft_token(
+        self, h: Tensor, exit_layer: int, draft_probs: list[Tensor]
+    ) -> tuple[int, float]:
+        """Draw one draft token from the exit head; keeps its distribution when sampling."""
+        logits = self.exit_head(h, exit_layer)[0]
+        vocab = self.exit_head.vocab
+        if self.sampling.greedy:
+            probs = torch.softmax(logits, -1, dtype=_float(logits.dtype))
+            column = int(probs.argmax())
+        else:
+            probs = self.sampling.probs(logits)
+            column = draw(probs, self.generator)
+        confidence = float(probs[column])
+        if not self.sampling.greedy:
+            if vocab is not None:
+                full = torch.zeros(
+                    self.model.config.vocab_size, dtype=probs.dtype, device=probs.device
+                )
+                probs = full.index_copy_(0, vocab, probs)
+            draft_probs.append(probs)
+        return (column if vocab is None else int(vocab[column])), confidence
+
+
+def _float(dtype: torch.dtype) -> torch.dtype:
+    """The precision probabilities are computed in: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,71 @@
+"""DEL's per-layer statistics: decayed acceptance counts, confidence sums, alpha, tau and TPL.
+
+Pure tensor arithmetic over candidate exit layers, testable without a model. Indices run over
+the candidate list; the policy maps them to exit layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class ExitStatistics:
+    """Decayed match/mismatch counts (A, B) and confidence sums (S+, S-) per candidate layer."""
+
+    def __init__(self, num_candidates: int, omega: float = 0.95) -> None:
+        self.omega = omega
+        zeros = torch.zeros(num_candidates, dtype=torch.float64)
+        self.matched, self.mismatched = zeros.clone(), zeros.clone()
+        self.confidence_matched, self.confidence_mismatched = zeros.clone(), zeros.clone()
+
+    def update(self, match: Tensor, confidence: Tensor, valid: Tensor) -> None:
+        """Decay, then add one round: `match`/`confidence` are `[candidates, positions]`,
+        `valid` marks the positions that count (the valid context)."""
+        w = self.omega
+        hit = (match & valid).double()
+        miss = (~match & valid).double()
+        confidence = confidence.double()
+        self.matched = w * self.matched + hit.sum(1)
+        self.mismatched = w * self.mismatched + miss.sum(1)
+        self.confidence_matched = w * self.confidence_matched + (confidence * hit).sum(1)
+        self.confidence_mismatched = w * self.confidence_mismatched + (confidence * miss).sum(1)
+
+    def alpha(self) -> Tensor:
+        """Estimated acceptance rate A / (A + B); 0 for a layer without data.
+
+        (The reference code turns a layer without data into NaN -> -inf, which can make a
+        TPL entry +inf and win the argmax.)
+        """
+        total = self.matched + self.mismatched
+        return torch.where(total > 0, self.matched / total.clamp_min(1e-300), 0.0)
+
+    def threshold(self) -> Tensor:
+        """tau: midpoint of the mean confidence of matched and of mismatched shadow tokens.
+
+        A layer that never mismatched takes 0 as its mismatched mean, and one that never matched
+        takes 1 as its matched mean. (The reference code gives NaN there, so `q < tau` is never
+        true and drafting always runs to the cap.)
+        """
+        high = torch.where(
+            self.matched > 0, self.confidence_matched / self.matched.clamp_min(1e-300), 1.0
+        )
+        low = torch.where(
+            self.mismatched > 0,
+            self.confidence_mismatched / self.mismatched.clamp_min(1e-300),
+            0.0,
+        )
+        return (high + low) / 2
+
+
+def expected_tokens(alpha: Tensor, draft_lengths: Tensor) -> Tensor:
+    """`[candidates, lengths]`: 1 + a + ... + a^d, the expected tokens of a round drafting d."""
+    top = int(draft_lengths.max()) if draft_lengths.numel() else 0
+    powers = alpha.double()[:, None] ** torch.arange(top + 1, dtype=torch.float64)
+    return powers.cumsum(1)[:, draft_lengths]
+
+
+def best_plan(value: Tensor) -> tuple[int, int]:
+    """(row, column) of the first maximum of a `[candidates, lengths]` grid, row-major."""
+    flat = int(torch.argmax(value))
+    return flat // value.shape[1], flat % value.shape[1]

@@ -1,0 +1,357 @@
+"""A layer-addressable decoder-only transformer with a static, position-indexed KV cache.
+
+Primitives only: `embed`, `run_layers` over any contiguous layer range, and `head` (final norm +
+LM head). Batch size is 1 and hidden states are `[tokens, hidden]`. Writing position p into the
+cache overwrites whatever was there, and attention at p sees exactly positions 0..p, so rejected
+draft positions never need cropping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from delspec.architectures import ModelConfig
+from delspec.errors import ContextLengthError, ModelFormatError
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32 at least, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, theta: float) -> Tensor:
+    """Inverse RoPE frequencies (float32, as transformers computes them), with scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelFormatError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def rope_table(inv_freq: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables `[length, head_dim]` in the rotate-half layout."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        spec = config.spec
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_eps) if spec.qk_norm else None
+        self.scale = config.softmax_scale
+
+    def forward(
+        self,
+        x: Tensor,
+        start: int,
+        cache: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+    ) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = start + n
+        cache[0, :, start:end] = k
+        cache[1, :, start:end] = v
+        keys, values = cache[0, :, :end], cache[1, :, :end]
+        # Grouped-query attention without copying keys: fold each group's heads into rows.
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(self.num_kv_heads, group * n, self.head_dim)
+        if mask is not None and group > 1:
+            mask = mask.repeat(group, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return self.o(out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.spec.activation == "gelu_tanh"
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(gate * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        eps, dim, sandwich = config.rms_eps, config.hidden_size, config.spec.sandwich_norm
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = Attention(config)
+        self.post_attn_norm = RMSNorm(dim, eps) if sandwich else None
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = MLP(config)
+        self.post_mlp_norm = RMSNorm(dim, eps) if sandwich else None
+
+    def forward(self, x, start, cache, cos, sin, mask) -> Tensor:
+        a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask)
+        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer addressable by layer range. See the module docstring."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embedding.weight
+        self.cache: Tensor | None = None  # [layers, 2, kv_heads, length, head_dim]
+        self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.cache is None else self.cache.shape[3]
+
+    def setup_cache(self, length: int) -> None:
+        """Allocate (or reuse, if large enough) a KV cache for positions 0..length-1."""
+        cfg = self.config
+        if length > cfg.max_position:
+            raise ContextLengthError(
+                f"{length} positions exceed the model's context of {cfg.max_position} tokens"
+            )
+        if self.cache is not None and self.cache_length >= length:
+            return
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, length, cfg.head_dim)
+        self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        local = cfg.rope_local_theta
+        tables = {False: cfg.rope_theta, True: local if local is not None else cfg.rope_theta}
+        self._rope = {
+            sliding: tuple(
+                t.to(self.device)
+                for t in rope_table(self._inv_freq(theta, sliding), length, self.dtype)
+            )
+            for sliding, theta in tables.items()
+        }
+
+    def _inv_freq(self, theta: float, sliding: bool) -> Tensor:
+        # Gemma 3's local layers use the plain RoPE base without the global layers' scaling.
+        if sliding and self.config.rope_scaling is not None:
+            return rope_inv_freq(_without_scaling(self.config), theta)
+        return rope_inv_freq(self.config, theta)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token ids `[tokens]` -> hidden states `[tokens, hidden]`."""
+        h = self.embedding(ids)
+        if self.config.spec.embed_scale:
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        return h
+
+    def _mask(self, start: int, n: int, window: int | None) -> Tensor | None:
+        end = start + n
+        if n == 1 and (window is None or end <= window):
+            return None
+        rows = torch.arange(start, end, device=self.device)[:, None]
+        cols = torch.arange(end, device=self.device)[None, :]
+        allowed = cols <= rows
+        if window is not None:
+            allowed &= cols > rows - window
+        return allowed
+
+    def run_layers(
+        self,
+        h: Tensor,
+        start: int,
+        first: int,
+        last: int,
+        collect: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Run layers `[first, last)` on the states of positions `start..start+len(h)-1`.
+
+        Writes those positions' keys and values into each layer's cache. If `collect` is a list,
+        every layer's output is appended to it.
+        """
+        n = h.shape[0]
+        if self.cache is None or start + n > self.cache_length:
+            raise ContextLengthError(
+                f"position {start + n - 1} is beyond the KV cache of {self.cache_length} positions"
+            )
+        cfg = self.config
+        masks = {False: self._mask(start, n, None)}
+        if cfg.sliding_window is not None:
+            masks[True] = self._mask(start, n, cfg.sliding_window)
+        ropes = {
+            s: (c[start : start + n], si[start : start + n]) for s, (c, si) in self._rope.items()
+        }
+        for i in range(first, last):
+            sliding = cfg.is_sliding(i)
+            cos, sin = ropes[sliding]
+            h = self.layers[i](h, start, self.cache[i], cos, sin, masks[sliding])
+            if collect is not None:
+                collect.append(h)
+        return h
+
+    def head(self, h: Tensor, weight: Tensor | None = None) -> Tensor:
+        """Final norm + LM head -> logits. `weight` may be a row subset of the LM head."""
+        logits = F.linear(self.norm(h), self.lm_head.weight if weight is None else weight)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        """Full pass over `ids` at positions `start..`: logits `[tokens, vocab]`."""
+        return self.head(self.run_layers(self.embed(ids), start, 0, self.num_layers))
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load weights named as in a Hugging Face checkpoint, checking every shape."""
+        cfg, spec = self.config, self.config.spec
+        state = {_strip_prefix(k): v for k, v in state.items()}
+
+        def take(name: str) -> Tensor:
+            if name not in state:
+                raise ModelFormatError(f"weight {name!r} is missing from the checkpoint")
+            return state[name]
+
+        def put(param: Tensor, value: Tensor, name: str, offset: float = 0.0) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelFormatError(
+                    f"weight {name!r} has shape {tuple(value.shape)}, "
+                    f"but the config implies {tuple(param.shape)}"
+                )
+            param.copy_(value.to(param.dtype) + offset)
+
+        off = spec.norm_offset
+        put(self.embedding.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm.weight, take("norm.weight"), "norm.weight", off)
+        if not cfg.tie_embeddings:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
+        for i, block in enumerate(self.layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            qkv = [take(a + f"{x}_proj.weight") for x in "qkv"]
+            put(block.attn.qkv.weight, torch.cat(qkv), a + "qkv_proj.weight")
+            if spec.qkv_bias:
+                bias = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+                put(block.attn.qkv.bias, bias, a + "qkv_proj.bias")
+            put(block.attn.o.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            if spec.qk_norm:
+                put(block.attn.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm", off)
+                put(block.attn.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm", off)
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(block.mlp.gate_up.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(block.mlp.down.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(
+                block.attn_norm.weight,
+                take(p + "input_layernorm.weight"),
+                p + "input_layernorm",
+                off,
+            )
+            put(block.mlp_norm.weight, take(p + mlp_norm + ".weight"), p + mlp_norm, off)
+            if spec.sandwich_norm:
+                name = p + "post_attention_layernorm.weight"
+                put(block.post_attn_norm.weight, take(name), name, off)
+                name = p + "post_feedforward_layernorm.weight"
+                put(block.post_mlp_norm.weight, take(name), name, off)
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _without_scaling(config: ModelConfig) -> ModelConfig:
+    return replace(config, rope_scaling=None)
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, Tensor] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """Create a `Transformer` (random init when `state` is None) in eval mode on `device`."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embedding.weight
+    if state is None:
+        model.apply(_init_random)
+    else:
+        model.load_hf_state_dict(state)
+    return model.eval().requires_grad_(False)
+
+
+def _init_random(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.normal_(module.bias, std=0.02)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)

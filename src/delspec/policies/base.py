@@ -1,0 +1,62 @@
+"""The policy interface: what a decoding strategy decides, apart from how rounds run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from delspec.engine import ExitHead, Round
+from delspec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next round: draft up to `draft_cap` tokens with layers [0, exit_layer).
+
+    `draft_cap == 0` asks for a plain autoregressive step through the full model.
+    """
+
+    exit_layer: int
+    draft_cap: int
+
+
+class Policy:
+    """Decides, per round, the exit layer and when to stop drafting.
+
+    The generation loop calls `start` once per prompt, then per round `plan`, the engine calls
+    `keep_drafting` after every draft token (except the last allowed one), and `observe` gets the
+    finished round. `collect_hidden` asks the engine for every layer's states of each round;
+    `warmup_window` asks for that many prompt positions as teacher-forced context in round 0.
+    """
+
+    name = "policy"
+    collect_hidden = False
+    warmup_window = 0
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+
+    def start(self, exit_head: ExitHead) -> None:
+        """Reset all per-prompt state."""
+
+    def plan(self) -> Plan:
+        raise NotImplementedError
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        return True
+
+    def observe(self, record: Round) -> None:
+        """Update statistics from a finished round; may annotate `record.extra` for traces."""
+
+    def check_exit_layer(self, exit_layer: int) -> int:
+        if not 1 <= exit_layer < self.num_layers:
+            raise ConfigError(
+                f"exit layer must be in 1..{self.num_layers - 1} for a {self.num_layers}-layer "
+                f"model, got {exit_layer}"
+            )
+        return exit_layer
+
+
+def check_draft_length(draft_length: int, name: str = "draft length") -> int:
+    if draft_length < 1:
+        raise ConfigError(f"{name} must be >= 1, got {draft_length}")
+    return draft_length
