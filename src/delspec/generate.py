@@ -127,10 +127,10 @@ def decode_tokens(
     while True:
         generated = len(engine.tokens) - len(prompt)
         room = capacity - len(engine.tokens)
-        if generated >= max_new_tokens or room < 0:
+        if generated >= max_new_tokens or room <= 0:
             break
         plan = policy.plan()
-        cap = min(plan.draft_cap, max_new_tokens - generated - 1, room)
+        cap = min(plan.draft_cap, max_new_tokens - generated - 1, room - 1)
         record = engine.round(plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden)
         t_obs = time.perf_counter()
         policy.observe(record)

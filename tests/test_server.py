@@ -1,0 +1,325 @@
+"""The OpenAI-compatible server over real HTTP: each app runs in a uvicorn server on a free local
+port, in a background thread of the test process. Every network call has a timeout."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from tiny_models import tiny_model
+
+from delspec.generate import generate
+from delspec.loading import LoadedModel, load_model
+from delspec.server import create_app
+
+TIMEOUT = 60.0  # seconds, for any one HTTP call
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@contextmanager
+def running(app: FastAPI) -> Iterator[str]:
+    """Serves `app` on 127.0.0.1 (a free port) in a background thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.02)
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of a server-sent event stream (JSON decoded, except `[DONE]`)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events: list[Any]) -> str:
+    choices = [e["choices"][0] for e in events if isinstance(e, dict) and "choices" in e]
+    return "".join(c["delta"].get("content") or "" if "delta" in c else c["text"] for c in choices)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """Checks the status and the OpenAI error shape; returns the error object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] == param
+    return error
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("default")
+
+
+def tiny_lm(smollm2: LoadedModel, delay_s: float = 0.0) -> LoadedModel:
+    """A fast 4-layer random model with SmolLM2's tokenizer (float64: exact greedy ties).
+
+    Every call builds the same weights; `delay_s` slows each layer-range call down.
+    """
+    model = tiny_model(seed=3, vocab_size=49152, num_layers=4, max_position=256)
+    if delay_s:
+        run_layers = model.run_layers
+
+        def slow_run_layers(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay_s)
+            return run_layers(*args, **kwargs)
+
+        model.run_layers = slow_run_layers
+    return LoadedModel(model, smollm2.tokenizer, "tiny", "memory", smollm2.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: LoadedModel) -> LoadedModel:
+    """The tiny model for direct `generate` calls, apart from the one a server uses."""
+    return tiny_lm(smollm2)
+
+
+@pytest.fixture(scope="module")
+def tiny_url(smollm2: LoadedModel) -> Iterator[str]:
+    with running(create_app(tiny_lm(smollm2))) as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_openai_client_streams_and_matches_autoregressive(smollm2: LoadedModel) -> None:
+    n = 12
+    prompt = "The capital of France is"
+    expect_chat = generate(smollm2, MESSAGES, strategy="ar", max_new_tokens=n)
+    expect_text = generate(smollm2, prompt, strategy="ar", max_new_tokens=n)
+    with running(create_app(smollm2)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+        [model] = client.models.list().data
+        assert model.id == smollm2.name
+        args: dict[str, Any] = dict(model=model.id, max_tokens=n, temperature=0)
+
+        chat = client.chat.completions.create(messages=MESSAGES, **args)
+        assert chat.choices[0].message.content == expect_chat.text
+        assert chat.choices[0].finish_reason == expect_chat.finish_reason
+        prompt_tokens = expect_chat.stats.prompt_tokens
+        assert chat.usage.prompt_tokens == prompt_tokens
+        assert chat.usage.completion_tokens == len(expect_chat.token_ids)
+        assert chat.usage.total_tokens == prompt_tokens + len(expect_chat.token_ids)
+        stats = chat.model_extra["delspec"]
+        assert stats["strategy"] == "del"
+        assert {"acceptance_rate", "mean_exit_layer", "tokens_per_s"} <= set(stats)
+
+        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **args))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expect_chat.text
+        assert chunks[-1].choices[0].finish_reason == expect_chat.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(expect_chat.token_ids)
+        assert chunks[-1].model_extra["delspec"]["strategy"] == "del"
+
+        text = client.completions.create(prompt=prompt, **args)
+        assert text.choices[0].text == expect_text.text
+        assert text.usage.completion_tokens == len(expect_text.token_ids)
+        chunks = list(client.completions.create(prompt=prompt, stream=True, **args))
+        assert "".join(c.choices[0].text for c in chunks) == expect_text.text
+        assert chunks[-1].choices[0].finish_reason == expect_text.finish_reason
+
+
+def test_concurrent_clients_get_their_own_answers(tiny_url: str, reference: LoadedModel) -> None:
+    n = 20
+    prompts = [f"Request {i}: tell me about the number {i}." for i in range(8)]
+    chats = [i % 4 >= 2 for i in range(8)]
+    expected = [
+        generate(reference, p, chat=c, strategy="ar", max_new_tokens=n)
+        for p, c in zip(prompts, chats, strict=True)
+    ]
+
+    def ask(i: int) -> tuple[str, str]:
+        body: dict[str, Any] = {"max_tokens": n, "temperature": 0, "stream": i % 2 == 1}
+        if chats[i]:
+            body["messages"] = [{"role": "user", "content": prompts[i]}]
+        else:
+            body["prompt"] = prompts[i]
+        with httpx.stream(
+            "POST", tiny_url + (CHAT if chats[i] else TEXT), json=body, timeout=TIMEOUT
+        ) as response:
+            assert response.status_code == 200
+            if body["stream"]:
+                events = sse(response)
+                assert events[-1] == "[DONE]"
+                return streamed_text(events), events[-2]["choices"][0]["finish_reason"]
+            choice = json.loads(response.read())["choices"][0]
+            return choice["message"]["content"] if chats[i] else choice["text"], choice[
+                "finish_reason"
+            ]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == [(e.text, e.finish_reason) for e in expected]
+
+
+def test_stop_strings_and_seeds(tiny_url: str, reference: LoadedModel) -> None:
+    full = generate(reference, "Hello there", strategy="ar", max_new_tokens=12).text
+    stop = full[len(full) // 2 :][:3]
+    cut = generate(reference, "Hello there", strategy="ar", max_new_tokens=12, stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    body = {"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "stop": stop}
+    for stream in (False, True):
+        with httpx.stream(
+            "POST", tiny_url + TEXT, json={**body, "stream": stream}, timeout=TIMEOUT
+        ) as response:
+            if stream:
+                events = sse(response)
+                text, finish = streamed_text(events), events[-2]["choices"][0]["finish_reason"]
+            else:
+                choice = json.loads(response.read())["choices"][0]
+                text, finish = choice["text"], choice["finish_reason"]
+        assert (text, finish) == (cut.text, "stop")
+
+    sampled = {"prompt": "Hello there", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    texts = [httpx.post(tiny_url + TEXT, json=sampled, timeout=TIMEOUT).json() for _ in range(2)]
+    assert texts[0]["choices"] == texts[1]["choices"]
+
+
+def test_full_queue_answers_429_and_disconnects_free_the_engine(
+    smollm2: LoadedModel, reference: LoadedModel
+) -> None:
+    short = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    expected = generate(reference, "Hello", strategy="ar", max_new_tokens=4).text
+    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}
+    app = create_app(tiny_lm(smollm2, delay_s=0.01), max_queue=1)
+    with running(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        with ThreadPoolExecutor(1) as pool:
+            with http.stream("POST", TEXT, json={**long, "stream": True}) as stream:
+                assert stream.status_code == 200  # headers come once generation has started
+                waiting = pool.submit(httpx.post, url + TEXT, json=short, timeout=TIMEOUT)
+                wait_until(lambda: http.get("/health").json()["queue_depth"] == 1)
+                full = http.post(TEXT, json=short)
+                error = assert_error(full, 429)
+                assert error["code"] == "queue_full" and "queue" in error["message"]
+                assert full.headers["retry-after"] == "1"
+                next(stream.iter_lines())  # the client reads a little, then goes away
+            closed = time.monotonic()
+            answer = waiting.result(timeout=TIMEOUT)
+            assert time.monotonic() - closed < 5  # the long generation was abandoned
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            http.post(TEXT, json=long, timeout=0.5)
+        started = time.monotonic()
+        assert http.post(TEXT, json=short).json()["choices"][0]["text"] == expected
+        assert time.monotonic() - started < 5
+        metrics = http.get("/metrics").text
+        assert f'delspec_requests_total{{endpoint="{TEXT}",status="429"}} 1' in metrics
+
+
+def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -> None:
+    app = create_app(tiny_lm(smollm2, delay_s=0.01), request_timeout=1.0, queue_timeout=0.3)
+    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}
+    with running(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(http.post, TEXT, json=long)
+            wait_until(lambda: http.get("/health").json()["busy"])
+            queued = http.post(TEXT, json={**long, "max_tokens": 2})
+            error = assert_error(queued, 503)
+            assert error["code"] == "queue_timeout" and "0.3 s" in error["message"]
+            error = assert_error(slow.result(timeout=TIMEOUT), 504)
+            assert error["code"] == "timeout" and "1 s" in error["message"]
+
+        with http.stream("POST", TEXT, json={**long, "stream": True}) as stream:
+            events = sse(stream)
+        assert events[-1]["error"]["code"] == "timeout" and "[DONE]" not in events
+        assert http.post(TEXT, json={**long, "max_tokens": 2}).status_code == 200
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
+    (CHAT, b'{"messages": [', 400, None, "not valid JSON"),
+    (CHAT, b"[1, 2]", 400, None, "JSON object"),
+    (CHAT, {}, 400, "messages", "missing"),
+    (CHAT, {"messages": "hi"}, 400, "messages", "list"),
+    (CHAT, {"messages": []}, 400, "messages", "at least 1"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "user"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 10**6}, 400, "max_tokens", "context"),
+    (CHAT, {"messages": MESSAGES, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
+    (CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", "n=2"),
+    (TEXT, {"max_tokens": 3}, 400, "prompt", "missing"),
+    (TEXT, {"prompt": 5}, 400, "prompt", "string or a list of token ids"),
+    (TEXT, {"prompt": ""}, 400, "prompt", "empty"),
+    (TEXT, {"prompt": [1, 10**6]}, 400, "prompt", "vocabulary"),
+    (TEXT, {"prompt": "word " * 300}, 400, "prompt", "context is 256 tokens"),
+    (TEXT, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
+    (TEXT, {"prompt": "hi", "max_tokens": "16"}, 400, "max_tokens", "integer"),
+    (TEXT, {"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal"),
+    (TEXT, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    (TEXT, {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    (TEXT, {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
+    (TEXT, {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "fragment"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(
+    tiny_url: str, path: str, body: Any, status: int, param: str | None, fragment: str
+) -> None:
+    if isinstance(body, bytes):
+        headers = {"content-type": "application/json"}
+        response = httpx.post(tiny_url + path, content=body, headers=headers, timeout=TIMEOUT)
+    else:
+        response = httpx.post(tiny_url + path, json=body, timeout=TIMEOUT)
+    error = assert_error(response, status, param)
+    assert fragment in error["message"]
+    assert error["type"] == "invalid_request_error"
+    ok = httpx.post(tiny_url + TEXT, json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_unknown_routes_get_openai_errors(tiny_url: str) -> None:
+    assert "/v1/nothing" in assert_error(httpx.get(tiny_url + "/v1/nothing"), 404)["message"]
+    assert_error(httpx.get(tiny_url + TEXT), 405)
+
+
+def test_health_and_metrics(tiny_url: str) -> None:
+    httpx.post(tiny_url + TEXT, json={"prompt": "hi", "max_tokens": 8}, timeout=TIMEOUT)
+    health = httpx.get(tiny_url + "/health").json()
+    assert health == {"status": "ok", "model": "tiny", "queue_depth": 0, "busy": False}
+    response = httpx.get(tiny_url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = dict(
+        line.rsplit(" ", 1) for line in response.text.splitlines() if not line.startswith("#")
+    )
+    assert int(samples[f'delspec_requests_total{{endpoint="{TEXT}",status="200"}}']) >= 1
+    assert int(samples["delspec_generated_tokens_total"]) >= 1
+    assert float(samples["delspec_tokens_per_second"]) > 0
+    assert 0 <= float(samples["delspec_acceptance_rate"]) <= 1
+    assert samples["delspec_queue_depth"] == "0" and samples["delspec_busy"] == "0"
+    buckets = [int(samples[f'delspec_exit_layer_bucket{{le="{e}"}}']) for e in (1, 2, 3, 4)]
+    assert buckets == sorted(buckets)
+    assert int(samples['delspec_exit_layer_bucket{le="+Inf"}']) == buckets[-1]
+    assert samples["delspec_exit_layer_count"] == str(buckets[-1])
+    assert "# TYPE delspec_exit_layer histogram" in response.text
