@@ -205,8 +205,8 @@ class Transformer(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         """Token ids `[tokens]` -> hidden states `[tokens, hidden]`."""
         h = self.embedding(ids)
-        if self.config.spec.embed_scale:
-            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        if self.config.spec.embed_scale:  # rounded to float32 first, as transformers does
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(h.dtype)
         return h
 
     def _mask(self, start: int, n: int, window: int | None) -> Tensor | None:

@@ -292,11 +292,12 @@ class Job:
     """One generation: the inputs for `generate` and the events it sends back.
 
     Events, delivered to the request's event loop in order: ("start", None), then ("text",
-    piece)..., then ("done", Result) or ("error", exception).
+    piece)... if `stream`, then ("done", Result) or ("error", exception).
     """
 
     prompt_ids: list[int]
     options: dict[str, Any]
+    stream: bool
     deadline: float  # time.monotonic() by which the generation must end
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
@@ -390,7 +391,7 @@ class Worker:
                 self.lm,
                 job.prompt_ids,
                 strategy=self.strategy,
-                on_text=lambda piece, _kind: job.emit("text", piece),
+                on_text=(lambda piece, _kind: job.emit("text", piece)) if job.stream else None,
                 should_stop=job.should_stop,
                 trace=True,
                 **job.options,
@@ -577,7 +578,7 @@ class _Service:
             "stop": body.stop,
         }
         deadline = time.monotonic() + self.request_timeout
-        job = Job(prompt_ids, options, deadline, asyncio.get_running_loop())
+        job = Job(prompt_ids, options, body.stream, deadline, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull:
@@ -600,14 +601,12 @@ class _Service:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            while True:
-                kind, value = await self._next_event(job, request)
-                if kind == "error":
-                    raise _as_api_error(value)
-                if kind == "done":
-                    if job.timed_out:
-                        raise self._timeout_error()
-                    return JSONResponse(reply.response(value))
+            kind, value = await self._next_event(job, request)  # "done" or "error"
+            if kind == "error":
+                raise _as_api_error(value)
+            if job.timed_out:
+                raise self._timeout_error()
+            return JSONResponse(reply.response(value))
         except _ClientGone:
             return Response(status_code=499)
         finally:
@@ -629,7 +628,11 @@ class _Service:
             ) from None
 
     async def _next_event(self, job: Job, request: Request) -> tuple[str, Any]:
-        """The job's next event; raises `_ClientGone` if the client disconnects meanwhile."""
+        """The job's next event; raises `_ClientGone` if the client disconnects meanwhile.
+
+        Only for the quiet stretches of a job (queued, or generating without streaming): each
+        `_POLL_S` without an event checks the connection.
+        """
         while True:
             try:
                 return await asyncio.wait_for(job.events.get(), _POLL_S)

@@ -1,0 +1,209 @@
+"""`delspec` command line: generate, info, serve, bench, calibrate. Thin: parsing and printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from delspec.errors import DelspecError
+
+DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (embedded SmolLM2-135M-Instruct), a named model, a .gguf file, "
+        "or a Hugging Face model directory",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (CPU default), bfloat16 (GPU default), float16, float64",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    from delspec.policies import STRATEGIES
+
+    parser.add_argument("--strategy", default="del", choices=sorted(STRATEGIES))
+    parser.add_argument("--exit-layer", type=int, help="exit layer E (static, fs, dv)")
+    parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
+
+
+def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy keyword arguments given on the command line."""
+    options = {"exit_layer": args.exit_layer, "draft_length": args.draft_length}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def load(args: argparse.Namespace):
+    import torch
+
+    from delspec.loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from delspec.generate import generate
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    lm = load(args)
+    console = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False)
+
+    def show(piece: str, kind: str) -> None:
+        console.print(piece, style=DRAFT_STYLE if kind == "draft" else None, end="", markup=False)
+
+    result = generate(
+        lm,
+        prompt,
+        strategy=args.strategy,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or (),
+        chat=args.chat,
+        on_text=None if args.json else show,
+        trace=args.trace is not None,
+        **strategy_options(args),
+    )
+    if args.trace is not None:
+        with open(args.trace, "w") as f:
+            for entry in result.trace or []:
+                f.write(json.dumps(entry) + "\n")
+    if args.json:
+        print(json.dumps({"model": lm.name, **result.as_dict()}, indent=2))
+        return 0
+    s = result.stats
+    console.print()
+    summary = (
+        f"{s.new_tokens} tokens · {s.tokens_per_s:.1f} tok/s · prefill {s.prefill_ms:.0f} ms · "
+        f"strategy {result.strategy}"
+    )
+    if s.drafted:
+        summary += (
+            f" · acceptance {s.acceptance_rate:.0%} · mean exit layer {s.mean_exit_layer:.1f}"
+            f" · mean draft {s.mean_draft_length:.1f} · eTPL {s.etpl:.3f}"
+        )
+    if console.is_terminal:
+        summary += " · [green]green[/] = accepted draft tokens"
+    err.print(f"[dim]── {summary}[/]")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    lm = load(args)
+    cfg = lm.model.config
+    info = {
+        "name": lm.name,
+        "source": lm.source,
+        "architecture": cfg.family,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "attention_heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "context": cfg.max_position,
+        "tied_embeddings": cfg.tie_embeddings,
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "device": str(lm.model.device),
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            shown = f"{value:,}" if key == "parameters" else value
+            print(f"{key.replace('_', ' '):<{width}}  {shown}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from delspec.server import serve
+
+    lm = load(args)
+    serve(
+        lm,
+        host=args.host,
+        port=args.port,
+        strategy=args.strategy,
+        strategy_options=strategy_options(args),
+        max_queue=args.max_queue,
+        request_timeout=args.timeout,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="delspec", description="DEL self-speculative decoding: lossless, faster generation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (streams to the terminal)")
+    gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
+    _model_arguments(gen)
+    _strategy_arguments(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="describe a model")
+    info.add_argument("model", nargs="?", default="default")
+    info.add_argument("--device", default="cpu")
+    info.add_argument("--dtype", default=None)
+    info.add_argument("--threads", type=int, default=None)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _model_arguments(srv)
+    _strategy_arguments(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
+    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return command(args)
+    except DelspecError as exc:
+        print(f"delspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndelspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
