@@ -16,6 +16,7 @@ POLICIES = {
     "dv": dict(exit_layer=2),
     "del": dict(),
     "dele": dict(),
+    "del-fast": dict(),
 }
 
 

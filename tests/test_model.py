@@ -51,8 +51,21 @@ def test_logits_match_transformers(config_cls, model_cls, extra, dtype, tol):
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
-def test_layer_ranges_and_piecewise_cache_equal_one_full_pass():
-    model = tiny_model(seed=3)
+# Gemma 3 layout with sliding windows of 4 keys, which the pieces below cross.
+GEMMA3_TINY = dict(
+    family="gemma3_text",
+    layer_types=("sliding_attention", "full_attention", "sliding_attention") * 2,
+    sliding_window=4,
+    rope_local_theta=100.0,
+    attn_scale=0.3,
+    final_logit_softcap=5.0,
+    tie_embeddings=True,
+)
+
+
+@pytest.mark.parametrize("overrides", [{}, GEMMA3_TINY], ids=["llama", "gemma3"])
+def test_layer_ranges_and_piecewise_cache_equal_one_full_pass(overrides):
+    model = tiny_model(seed=3, **overrides)
     ids = torch.randint(0, 64, (19,))
     model.setup_cache(32)
     full = model(ids)

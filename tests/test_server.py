@@ -1,5 +1,6 @@
 """The OpenAI-compatible server over real HTTP: each app runs in a uvicorn server on a free local
-port, in a background thread of the test process. Every network call has a timeout."""
+port, in a background thread of the test process. Every network call has a timeout. `smollm2`
+is the session fixture of conftest.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fastapi import FastAPI
 from tiny_models import tiny_model
 
 from delspec.generate import generate
-from delspec.loading import LoadedModel, load_model
+from delspec.loading import LoadedModel
 from delspec.server import create_app
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
@@ -63,9 +64,19 @@ def sse(response: httpx.Response) -> list[Any]:
     return events
 
 
-def streamed_text(events: list[Any]) -> str:
-    choices = [e["choices"][0] for e in events if isinstance(e, dict) and "choices" in e]
-    return "".join(c["delta"].get("content") or "" if "delta" in c else c["text"] for c in choices)
+def answer(url: str, path: str, body: dict[str, Any]) -> tuple[str, str]:
+    """(text, finish_reason) of a chat or text completion, streamed or not."""
+    with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200, response.read()
+        if not body.get("stream"):
+            choice = json.loads(response.read())["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return text, choice["finish_reason"]
+        events = sse(response)
+    assert events[-1] == "[DONE]"
+    choices = [e["choices"][0] for e in events[:-1]]
+    text = "".join(c["delta"].get("content") or "" if "delta" in c else c["text"] for c in choices)
+    return text, choices[-1]["finish_reason"]
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -76,11 +87,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
     return error
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("default")
 
 
 def tiny_lm(smollm2: LoadedModel, delay_s: float = 0.0) -> LoadedModel:
@@ -163,47 +169,27 @@ def test_concurrent_clients_get_their_own_answers(tiny_url: str, reference: Load
         body: dict[str, Any] = {"max_tokens": n, "temperature": 0, "stream": i % 2 == 1}
         if chats[i]:
             body["messages"] = [{"role": "user", "content": prompts[i]}]
-        else:
-            body["prompt"] = prompts[i]
-        with httpx.stream(
-            "POST", tiny_url + (CHAT if chats[i] else TEXT), json=body, timeout=TIMEOUT
-        ) as response:
-            assert response.status_code == 200
-            if body["stream"]:
-                events = sse(response)
-                assert events[-1] == "[DONE]"
-                return streamed_text(events), events[-2]["choices"][0]["finish_reason"]
-            choice = json.loads(response.read())["choices"][0]
-            return choice["message"]["content"] if chats[i] else choice["text"], choice[
-                "finish_reason"
-            ]
+            return answer(tiny_url, CHAT, body)
+        return answer(tiny_url, TEXT, {**body, "prompt": prompts[i]})
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [(e.text, e.finish_reason) for e in expected]
 
 
-def test_stop_strings_and_seeds(tiny_url: str, reference: LoadedModel) -> None:
-    full = generate(reference, "Hello there", strategy="ar", max_new_tokens=12).text
+def test_stop_strings_and_sampling_options(tiny_url: str, reference: LoadedModel) -> None:
+    prompt = "Hello there"
+    full = generate(reference, prompt, strategy="ar", max_new_tokens=12).text
     stop = full[len(full) // 2 :][:3]
-    cut = generate(reference, "Hello there", strategy="ar", max_new_tokens=12, stop=[stop])
+    cut = generate(reference, prompt, strategy="ar", max_new_tokens=12, stop=[stop])
     assert cut.finish_reason == "stop" and stop not in cut.text
-    body = {"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "stop": stop}
+    options = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
+    sampled = generate(reference, prompt, max_new_tokens=12, **options)
     for stream in (False, True):
-        with httpx.stream(
-            "POST", tiny_url + TEXT, json={**body, "stream": stream}, timeout=TIMEOUT
-        ) as response:
-            if stream:
-                events = sse(response)
-                text, finish = streamed_text(events), events[-2]["choices"][0]["finish_reason"]
-            else:
-                choice = json.loads(response.read())["choices"][0]
-                text, finish = choice["text"], choice["finish_reason"]
-        assert (text, finish) == (cut.text, "stop")
-
-    sampled = {"prompt": "Hello there", "max_tokens": 12, "temperature": 1.0, "seed": 7}
-    texts = [httpx.post(tiny_url + TEXT, json=sampled, timeout=TIMEOUT).json() for _ in range(2)]
-    assert texts[0]["choices"] == texts[1]["choices"]
+        body = {"prompt": prompt, "max_tokens": 12, "stream": stream}
+        greedy = {**body, "temperature": 0, "stop": stop}
+        assert answer(tiny_url, TEXT, greedy) == (cut.text, "stop")
+        assert answer(tiny_url, TEXT, {**body, **options}) == (sampled.text, sampled.finish_reason)
 
 
 def test_full_queue_answers_429_and_disconnects_free_the_engine(
@@ -225,9 +211,9 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
                 assert full.headers["retry-after"] == "1"
                 next(stream.iter_lines())  # the client reads a little, then goes away
             closed = time.monotonic()
-            answer = waiting.result(timeout=TIMEOUT)
+            served = waiting.result(timeout=TIMEOUT)
             assert time.monotonic() - closed < 5  # the long generation was abandoned
-        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == expected
 
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
             http.post(TEXT, json=long, timeout=0.5)
@@ -239,7 +225,7 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
 
 
 def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -> None:
-    app = create_app(tiny_lm(smollm2, delay_s=0.01), request_timeout=1.0, queue_timeout=0.3)
+    app = create_app(tiny_lm(smollm2, delay_s=0.01), request_timeout=2.0, queue_timeout=0.5)
     long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}
     with running(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         with ThreadPoolExecutor(1) as pool:
@@ -247,9 +233,9 @@ def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -
             wait_until(lambda: http.get("/health").json()["busy"])
             queued = http.post(TEXT, json={**long, "max_tokens": 2})
             error = assert_error(queued, 503)
-            assert error["code"] == "queue_timeout" and "0.3 s" in error["message"]
+            assert error["code"] == "queue_timeout" and "0.5 s" in error["message"]
             error = assert_error(slow.result(timeout=TIMEOUT), 504)
-            assert error["code"] == "timeout" and "1 s" in error["message"]
+            assert error["code"] == "timeout" and "2 s" in error["message"]
 
         with http.stream("POST", TEXT, json={**long, "stream": True}) as stream:
             events = sse(stream)

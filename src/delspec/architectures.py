@@ -22,7 +22,8 @@ class Family:
     sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     activation: str = "silu"  # "silu" or "gelu_tanh"
-    norm_offset: float = 0.0  # RMSNorm weight stored as (w - offset) in HF checkpoints
+    norm_offset: float = 0.0  # RMSNorm scale is (offset + weight), in float32 (Gemma: 1)
+    sliding_window_pattern: int | None = None  # every n-th layer global, when no layer_types
 
 
 FAMILIES: dict[str, Family] = {
@@ -30,7 +31,12 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "gemma3_text": Family(
-        qk_norm=True, sandwich_norm=True, embed_scale=True, activation="gelu_tanh", norm_offset=1.0
+        qk_norm=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        activation="gelu_tanh",
+        norm_offset=1.0,
+        sliding_window_pattern=6,
     ),
 }
 
@@ -101,7 +107,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_local_theta = hf.get("rope_local_base_freq")
         if isinstance(rope_params, dict):
             if "full_attention" in rope_params:  # per attention type (Gemma 3)
-                local = rope_params.get("sliding_attention", {})
+                local = rope_params.get("sliding_attention") or {}
+                if local.get("rope_type", "default") != "default":
+                    raise ModelFormatError("rope scaling on sliding-window layers is not supported")
                 rope_local_theta = local.get("rope_theta", rope_local_theta)
                 rope_params = rope_params["full_attention"]
             rope_theta = rope_params.get("rope_theta", rope_theta)
@@ -113,7 +121,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         ):
             rope_scaling = None
         family = FAMILIES[model_type]
+        num_layers = int(hf["num_hidden_layers"])
         layer_types = tuple(hf.get("layer_types") or ())
+        pattern = hf.get("sliding_window_pattern", family.sliding_window_pattern)
+        if not layer_types and pattern:  # configs written before transformers 4.53
+            layer_types = tuple(
+                "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                for i in range(num_layers)
+            )
         sliding_window = hf.get("sliding_window") if layer_types else None
         query_scale = hf.get("query_pre_attn_scalar")
         return ModelConfig(
@@ -121,7 +136,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,

@@ -152,6 +152,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from delspec.bench.methods import parse_methods
+    from delspec.bench.report import summary_lines, write_report
+    from delspec.bench.runner import calibration_count, run_bench, select_prompts
+
+    methods = parse_methods(args.methods)
+    tasks = args.tasks.split(",") if args.tasks else None
+    prompts = select_prompts(
+        tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
+    )
+    result = run_bench(load(args), methods, prompts, max_new_tokens=args.max_new_tokens)
+    paths = write_report(result, args.out)
+    print("\n".join(summary_lines(result)))
+    print(f"delspec: wrote {', '.join(p.name for p in paths)} to {args.out}", file=sys.stderr)
+    if not result.ok:
+        count = len(result.lossless["failures"])
+        print(f"delspec: error: {count} output(s) differ from ar: NOT LOSSLESS", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="delspec", description="DEL self-speculative decoding: lossless, faster generation."
@@ -189,6 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmark methods on tasks (speed, eTPL, losslessness)")
+    _model_arguments(bench)
+    bench.add_argument("--tasks", help="comma-separated tasks (default: all)")
+    bench.add_argument("--prompts", type=Path, help="JSON Lines prompts file instead of tasks")
+    bench.add_argument(
+        "--methods",
+        default="ar,static-sweep,fs,dv,del",
+        help="comma-separated methods, NAME or NAME:key=value,... (e.g. static:E=8,d=4); "
+        "ar is always included",
+    )
+    bench.add_argument("--num-samples", type=int, default=10, help="prompts per task")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
+    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

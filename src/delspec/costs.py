@@ -1,8 +1,26 @@
-"""Cost models for choosing the exit layer and draft length: what a round costs."""
+"""Cost models for choosing the exit layer and draft length: what one round costs.
+
+`LayerCost` is the paper's (layer loads). `MeasuredCost` uses seconds measured on the actual
+device, dtype and thread count (`measure_profile`), cached per model and setting.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
 from torch import Tensor
+
+from delspec.model import Transformer
+from delspec.timing import synchronize
+
+PROFILE_MAX_AGE_S = 7 * 24 * 3600
+PROFILE_VERSION = 1
 
 
 class LayerCost:
@@ -14,8 +32,136 @@ class LayerCost:
         self.num_layers = num_layers
 
     def grid(self, exit_layers: Tensor, draft_lengths: Tensor) -> Tensor:
-        """`[exit layers, draft lengths]` cost of one round."""
-        return draft_lengths[None, :].double() * exit_layers[:, None].double() + self.num_layers
+        """`[exit layers, draft lengths]` cost of one round (d = 0 is a plain step)."""
+        d = draft_lengths[None, :].double()
+        return d * exit_layers[:, None].double() + self.num_layers
 
-    def plain_step(self) -> float:
-        return float(self.num_layers)
+
+@dataclass
+class CostProfile:
+    """Seconds measured for this model on one device/dtype/thread setting.
+
+    `layer[k - 1]`: k new tokens through one layer (after a context); `head[k - 1]`: k rows
+    through the full LM head; `draft_head`: one row through the draft head.
+    """
+
+    layer: list[float]
+    head: list[float]
+    draft_head: float
+    key: str
+    measured_at: float
+    version: int = PROFILE_VERSION
+
+
+class MeasuredCost:
+    """Round cost in seconds from a `CostProfile`, plus a per-round policy overhead.
+
+    Drafting d tokens with exit layer l costs d * (l * layer(1) + draft_head); verification
+    runs the last draft token through layers [0, l) and d + 1 positions through [l, L) and the
+    full head. d = 0 is a plain step: L * layer(1) + head(1).
+    """
+
+    name = "measured"
+
+    def __init__(self, profile: CostProfile, num_layers: int) -> None:
+        self.profile = profile
+        self.num_layers = num_layers
+        self.overhead = 0.0  # seconds of policy work per round, updated by the policy
+
+    def grid(self, exit_layers: Tensor, draft_lengths: Tensor) -> Tensor:
+        p = self.profile
+        layer = torch.tensor(p.layer, dtype=torch.float64)
+        head = torch.tensor(p.head, dtype=torch.float64)
+        k = (draft_lengths + 1).clamp(max=len(p.layer)) - 1  # index of d + 1 new tokens
+        e = exit_layers[:, None].double()
+        d = draft_lengths[None, :].double()
+        draft = d * (e * layer[0] + p.draft_head)
+        verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
+        return draft + verify + self.overhead
+
+
+def profile_key(model: Transformer, draft_vocab: int) -> str:
+    """Identifies what a profile was measured for: model shape, device, dtype, threads."""
+    cfg = model.config
+    parts = [
+        repr(cfg),
+        str(model.device),
+        str(model.dtype),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        str(draft_vocab),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measure_profile(
+    model: Transformer,
+    draft_head: Callable[[Tensor], Tensor],
+    draft_vocab: int,
+    max_tokens: int,
+    context: int = 128,
+    repeats: int = 5,
+) -> CostProfile:
+    """Time the primitives a round is made of, for 1..max_tokens new tokens."""
+    cfg = model.config
+    total = min(cfg.max_position, context + max_tokens + 1)
+    context = total - max_tokens - 1
+    model.setup_cache(total)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (context + max_tokens,), generator=gen)
+    ids = ids.to(model.device)
+    with torch.inference_mode():
+        model.run_layers(model.embed(ids[:context]), 0, 0, cfg.num_layers)
+        states = model.embed(ids[context:])
+
+        def seconds(fn: Callable[[], object]) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                synchronize(model.device)
+                start = time.perf_counter()
+                fn()
+                synchronize(model.device)
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        layers, heads = [], []
+        for k in range(1, max_tokens + 1):
+            h = states[:k]
+            layers.append(seconds(lambda h=h: model.run_layers(h, context, 0, cfg.num_layers)))
+            heads.append(seconds(lambda h=h: model.head(h)))
+        one = states[:1]
+        draft = seconds(lambda: draft_head(one))
+    return CostProfile(
+        layer=[t / cfg.num_layers for t in layers],
+        head=heads,
+        draft_head=draft,
+        key=profile_key(model, draft_vocab),
+        measured_at=time.time(),
+    )
+
+
+def cached_profile(
+    model: Transformer,
+    draft_head: Callable[[Tensor], Tensor],
+    draft_vocab: int,
+    max_tokens: int,
+    directory: Path,
+) -> CostProfile:
+    """The profile for this model and setting from `directory`, measured again when missing,
+    older than a week, or measured for fewer tokens."""
+    key = profile_key(model, draft_vocab)
+    path = directory / f"profile-{key}.json"
+    try:
+        profile = CostProfile(**json.loads(path.read_text()))
+        fresh = time.time() - profile.measured_at < PROFILE_MAX_AGE_S
+        if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
+            return profile
+    except (OSError, ValueError, TypeError):
+        pass
+    profile = measure_profile(model, draft_head, draft_vocab, max_tokens)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(profile)))
+    tmp.replace(path)
+    return profile

@@ -19,17 +19,25 @@ class ExitStatistics:
         self.matched, self.mismatched = zeros.clone(), zeros.clone()
         self.confidence_matched, self.confidence_mismatched = zeros.clone(), zeros.clone()
 
-    def update(self, match: Tensor, confidence: Tensor, valid: Tensor) -> None:
-        """Decay, then add one round: `match`/`confidence` are `[candidates, positions]`,
-        `valid` marks the positions that count (the valid context)."""
+    def update(
+        self, match: Tensor, confidence: Tensor, valid: Tensor, rows: Tensor | None = None
+    ) -> None:
+        """Decay, then add one round: `match`/`confidence` are `[rows, positions]`, `valid`
+        marks the positions that count (the valid context). `rows` selects the candidates
+        observed this round (default: all); the others keep their statistics undecayed."""
+        rows = torch.arange(len(self.matched)) if rows is None else rows
         w = self.omega
         hit = (match & valid).double()
         miss = (~match & valid).double()
         confidence = confidence.double()
-        self.matched = w * self.matched + hit.sum(1)
-        self.mismatched = w * self.mismatched + miss.sum(1)
-        self.confidence_matched = w * self.confidence_matched + (confidence * hit).sum(1)
-        self.confidence_mismatched = w * self.confidence_mismatched + (confidence * miss).sum(1)
+        for name, add in (
+            ("matched", hit.sum(1)),
+            ("mismatched", miss.sum(1)),
+            ("confidence_matched", (confidence * hit).sum(1)),
+            ("confidence_mismatched", (confidence * miss).sum(1)),
+        ):
+            values = getattr(self, name)
+            values[rows] = w * values[rows] + add
 
     def alpha(self) -> Tensor:
         """Estimated acceptance rate A / (A + B); 0 for a layer without data.

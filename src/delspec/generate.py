@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
 from delspec.policies import Policy, make_policy
 from delspec.sampling import Sampling
+from delspec.timing import synchronize
 
 if TYPE_CHECKING:
     from delspec.loading import LoadedModel
@@ -121,7 +120,7 @@ def decode_tokens(
 
     t0 = time.perf_counter()
     engine.prefill(prompt, capacity, policy.warmup_window if policy.collect_hidden else 0)
-    _sync(model.device)
+    synchronize(model.device)
     t1 = time.perf_counter()
     finish = "length"
     while True:
@@ -156,7 +155,7 @@ def decode_tokens(
         if stop_at is not None or not go_on:
             finish = "stop"
             break
-    _sync(model.device)
+    synchronize(model.device)
     t2 = time.perf_counter()
 
     new = engine.tokens[len(prompt) :][:max_new_tokens]
@@ -190,11 +189,6 @@ def _trace_entry(index: int, record: Round) -> dict[str, Any]:
             for k, v in record.extra.items()
         },
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class TextStream:

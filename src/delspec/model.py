@@ -20,17 +20,29 @@ from delspec.errors import ContextLengthError, ModelFormatError
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32 at least, as the reference implementations do."""
+    """RMS normalisation computed in float32 at least, as the reference implementations do.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    The scale is `offset + weight`, with `weight` as stored in Hugging Face checkpoints. With an
+    offset (Gemma) it is applied before casting back to the input dtype, otherwise after.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.to(xf.dtype))).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    """An `RMSNorm` of `dim` features with the family's epsilon and weight offset."""
+    return RMSNorm(dim, config.rms_eps, config.spec.norm_offset)
 
 
 def rope_inv_freq(config: ModelConfig, theta: float) -> Tensor:
@@ -79,8 +91,8 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_eps) if spec.qk_norm else None
+        self.q_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
+        self.k_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
         self.scale = config.softmax_scale
 
     def forward(
@@ -129,13 +141,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        eps, dim, sandwich = config.rms_eps, config.hidden_size, config.spec.sandwich_norm
-        self.attn_norm = RMSNorm(dim, eps)
+        dim, sandwich = config.hidden_size, config.spec.sandwich_norm
+        self.attn_norm = rms_norm(config, dim)
         self.attn = Attention(config)
-        self.post_attn_norm = RMSNorm(dim, eps) if sandwich else None
-        self.mlp_norm = RMSNorm(dim, eps)
+        self.post_attn_norm = rms_norm(config, dim) if sandwich else None
+        self.mlp_norm = rms_norm(config, dim)
         self.mlp = MLP(config)
-        self.post_mlp_norm = RMSNorm(dim, eps) if sandwich else None
+        self.post_mlp_norm = rms_norm(config, dim) if sandwich else None
 
     def forward(self, x, start, cache, cos, sin, mask) -> Tensor:
         a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask)
@@ -152,7 +164,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
@@ -274,17 +286,16 @@ class Transformer(nn.Module):
                 raise ModelFormatError(f"weight {name!r} is missing from the checkpoint")
             return state[name]
 
-        def put(param: Tensor, value: Tensor, name: str, offset: float = 0.0) -> None:
+        def put(param: Tensor, value: Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ModelFormatError(
                     f"weight {name!r} has shape {tuple(value.shape)}, "
                     f"but the config implies {tuple(param.shape)}"
                 )
-            param.copy_(value.to(param.dtype) + offset)
+            param.copy_(value.to(param.dtype))
 
-        off = spec.norm_offset
         put(self.embedding.weight, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm.weight, take("norm.weight"), "norm.weight", off)
+        put(self.norm.weight, take("norm.weight"), "norm.weight")
         if not cfg.tie_embeddings:
             put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
         mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
@@ -298,23 +309,19 @@ class Transformer(nn.Module):
                 put(block.attn.qkv.bias, bias, a + "qkv_proj.bias")
             put(block.attn.o.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
             if spec.qk_norm:
-                put(block.attn.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm", off)
-                put(block.attn.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm", off)
+                put(block.attn.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm")
+                put(block.attn.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(block.mlp.gate_up.weight, gate_up, p + "mlp.gate_up_proj.weight")
             put(block.mlp.down.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            put(
-                block.attn_norm.weight,
-                take(p + "input_layernorm.weight"),
-                p + "input_layernorm",
-                off,
-            )
-            put(block.mlp_norm.weight, take(p + mlp_norm + ".weight"), p + mlp_norm, off)
+            name = p + "input_layernorm.weight"
+            put(block.attn_norm.weight, take(name), name)
+            put(block.mlp_norm.weight, take(p + mlp_norm + ".weight"), p + mlp_norm)
             if spec.sandwich_norm:
                 name = p + "post_attention_layernorm.weight"
-                put(block.post_attn_norm.weight, take(name), name, off)
+                put(block.post_attn_norm.weight, take(name), name)
                 name = p + "post_feedforward_layernorm.weight"
-                put(block.post_mlp_norm.weight, take(name), name, off)
+                put(block.post_mlp_norm.weight, take(name), name)
 
 
 def _strip_prefix(name: str) -> str:
@@ -354,4 +361,4 @@ def _init_random(module: nn.Module) -> None:
         if getattr(module, "bias", None) is not None:
             nn.init.normal_(module.bias, std=0.02)
     elif isinstance(module, RMSNorm):
-        nn.init.ones_(module.weight)
+        nn.init.constant_(module.weight, 1.0 - module.offset)

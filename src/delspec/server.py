@@ -355,8 +355,7 @@ class Worker:
         self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        """Queues `job`; raises `QueueFull` when `max_queue` jobs are waiting behind a running
-        one."""
+        """Queues `job`; raises `QueueFull` if `max_queue` jobs wait behind a running one."""
         with self._cond:
             if len(self._waiting) + (self.running is not None) > self.max_queue:
                 raise QueueFull
@@ -472,7 +471,8 @@ class _Reply:
 
 
 def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 # ---------------------------------------------------------------------------------------------

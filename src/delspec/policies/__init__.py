@@ -9,9 +9,14 @@ from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
+# DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, and shadow
+# work bounded to ~5% of round time (a short warm-up window keeps round 0 cheap too).
+FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.05, warmup=8)
+
 STRATEGIES: dict[str, Any] = {
     "del": DynamicExit,
     "dele": lambda num_layers, **kw: DynamicExit(num_layers, dynamic_draft=False, **kw),
+    "del-fast": lambda num_layers, **kw: DynamicExit(num_layers, **{**FAST_DEL, **kw}),
     "static": Static,
     "fs": FiniteStateDraft,
     "dv": DraftAndVerify,

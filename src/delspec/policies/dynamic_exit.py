@@ -6,11 +6,13 @@ import time
 
 import torch
 
-from delspec.costs import LayerCost
+from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
 from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.base import Plan, Policy, check_draft_length
+
+COSTS = ("layers", "measured")
 
 
 class DynamicExit(Policy):
@@ -19,19 +21,27 @@ class DynamicExit(Policy):
     After every round, every candidate layer's cached states are decoded through the exit head
     ("shadow tokens") in one batched call and compared with the final layer's tokens over the
     valid context (positions up to the first mismatch of the exit layer used). Decayed counts
-    give alpha and tau per layer; the next (E, d*) maximises tokens per cost, and drafting with
-    E stops once the draft confidence falls below tau_E (or at `draft_cap`). Round 0 drafts one
-    token with the first candidate and also scores the last `warmup` prompt positions.
+    give alpha and tau per layer; the next (E, d*) maximises expected tokens per cost, and
+    drafting with E stops once the draft confidence falls below tau_E (or at `draft_cap`).
+    Round 0 drafts one token with the first candidate and also scores the last `warmup` prompt
+    positions. With `dynamic_draft=False` this is DELE: exactly d* tokens are drafted.
 
     Fixes of the reference code: u_r clipping applies in every round (it was skipped after a
     d* = 0 choice); alpha/tau are finite for layers without data (see `ExitStatistics`); drafts
     never run past `max_new_tokens` (the engine caps them); state resets for every prompt.
-    With `dynamic_draft=False` this is DELE: exactly d* tokens are drafted (d* = 0 is a plain
-    step).
+
+    Beyond the paper (all off by default, so the defaults are the paper's DEL):
+    - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
+      this device (`delspec.costs`) plus the policy's own measured overhead per round.
+    - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
+      every layer's statistics still update from that step, so drafting resumes once it pays.
+    - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
+      positions in the valid context are decoded, and each round scores the exit layer, its
+      neighbours and a rotating share of the other candidates as the budget allows (rounds may
+      skip scoring altogether); a layer's statistics decay only when it is scored.
     """
 
     name = "del"
-    collect_hidden = True
 
     def __init__(
         self,
@@ -43,6 +53,9 @@ class DynamicExit(Policy):
         draft_cap: int = 18,
         warmup: int = 32,
         dynamic_draft: bool = True,
+        cost: str = "layers",
+        no_draft: bool = False,
+        shadow_budget: float | None = None,
     ) -> None:
         super().__init__(num_layers)
         layers = candidates if candidates is not None else list(range(1, num_layers))
@@ -55,26 +68,51 @@ class DynamicExit(Policy):
             raise ConfigError(f"need 0 <= gamma_min < gamma_max, got {gamma_min}, {gamma_max}")
         if warmup < 0:
             raise ConfigError(f"warmup window must be >= 0, got {warmup}")
+        if cost not in COSTS:
+            raise ConfigError(f"cost must be one of {', '.join(COSTS)}, got {cost!r}")
+        if shadow_budget is not None and not 0.0 < shadow_budget <= 1.0:
+            raise ConfigError(f"shadow_budget must be in (0, 1], got {shadow_budget}")
         self.omega, self.draft_cap = omega, check_draft_length(draft_cap, "draft cap")
         self.warmup_window, self.dynamic_draft = warmup, dynamic_draft
+        self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
         self.exit_layers = torch.tensor(self.candidates)
-        self.rows = [e - 1 for e in self.candidates]  # layer E's output is hidden[E - 1]
-        self.cost = LayerCost(num_layers)
+        self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
         if not dynamic_draft:
             self.name = "dele"
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
+        if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
+            self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         self.stats = ExitStatistics(len(self.candidates), self.omega)
         self.exit_layer, self.draft_length = self.candidates[0], 1
         self.tau = self.stats.threshold()
         self.tau_exit = float(self.tau[0])
         self.warm = True
+        self.collect_hidden = True
+        self.credit = 0.0  # seconds of shadow work the budget allows now
+        self.row_cost = 0.0  # measured seconds per scored (layer, position)
+        self.cursor = 0  # rotation over candidates under a shadow budget
+
+    def _profile(self, exit_head: ExitHead) -> CostProfile:
+        from delspec.loading import cache_dir
+
+        middle = self.candidates[len(self.candidates) // 2]
+        vocab = exit_head.vocab
+        return cached_profile(
+            exit_head.model,
+            lambda h: exit_head(h, middle),
+            exit_head.model.config.vocab_size if vocab is None else len(vocab),
+            self.draft_cap + 1,
+            cache_dir() / "costs",
+        )
 
     def plan(self) -> Plan:
         if self.warm:
             return Plan(self.candidates[0], 1)
+        if self.no_draft and self.draft_length == 0:
+            return Plan(0, 0)
         return Plan(self.exit_layer, self.draft_cap if self.dynamic_draft else self.draft_length)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
@@ -82,20 +120,70 @@ class DynamicExit(Policy):
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
-        hidden = record.hidden[self.rows]  # [candidates, positions, hidden]
-        logits = self.exit_head.shadow(hidden, self.candidates).float()
+        if self.shadow_budget is not None:
+            self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
+        rows, positions = self._scope(record)
+        if rows is not None:
+            self._score(record, rows, positions)
+            self._choose()
+        elapsed = time.perf_counter() - start
+        if rows is not None and self.shadow_budget is not None:
+            self.credit -= elapsed
+            self.row_cost = elapsed / (len(rows) * len(positions))
+        if isinstance(self.cost, MeasuredCost):
+            self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
+        self.collect_hidden = self._will_score_next()
+        record.extra.update(
+            tau=round(self.tau_exit, 4),
+            alpha=[round(a, 4) for a in self.stats.alpha().tolist()],
+            next_exit_layer=self.exit_layer,
+            next_draft_length=self.draft_length,
+            shadow_s=elapsed,
+        )
+
+    def _scope(self, record: Round) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Candidate rows and record positions to score this round (rows None: skip)."""
+        everything = torch.arange(record.targets.shape[0])
+        if self.shadow_budget is None or self.warm:
+            return torch.arange(len(self.candidates)), everything
+        if record.hidden is None:
+            return None, everything
+        # Only the valid context can count: context + positions whose inputs were all accepted.
+        positions = everything[: record.context + record.accepted + 1]
+        affordable = int(self.credit / max(self.row_cost * len(positions), 1e-9))
+        here = self.candidates.index(self.exit_layer)
+        must = [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
+        count = min(len(self.candidates), max(affordable, len(must)))
+        chosen = dict.fromkeys(must)
+        while len(chosen) < count:
+            chosen.setdefault(self.cursor)
+            self.cursor = (self.cursor + 1) % len(self.candidates)
+        return torch.tensor(sorted(chosen)), positions
+
+    def _will_score_next(self) -> bool:
+        """Under a budget, collect hidden states only for rounds that can afford scoring."""
+        if self.shadow_budget is None:
+            return True
+        return self.credit >= self.row_cost * 3
+
+    def _score(self, record: Round, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        layers = [self.candidates[r] for r in rows.tolist()]
+        hidden = record.hidden[[e - 1 for e in layers]][:, positions]  # layer E -> hidden[E-1]
+        logits = self.exit_head.shadow(hidden, layers).float()
         top, column = logits.max(-1)
         confidence = torch.exp(top - torch.logsumexp(logits, -1)).cpu()
         vocab = self.exit_head.vocab
         tokens = (column if vocab is None else vocab[column]).cpu()
-        match = tokens == record.targets.cpu()[None, :]
-        valid = torch.ones(match.shape[1], dtype=torch.bool)
-        if record.exit_layer in self.candidates:
-            row = self.candidates.index(record.exit_layer)
+        match = tokens == record.targets.cpu()[positions][None, :]
+        valid = torch.ones(len(positions), dtype=torch.bool)
+        if record.exit_layer in layers:
+            row = layers.index(record.exit_layer)
             misses = (~match[row, record.context :]).nonzero()
             if len(misses):
                 valid[record.context + int(misses[0]) + 1 :] = False
-        self.stats.update(match, confidence, valid)
+        self.stats.update(match, confidence, valid, rows)
+
+    def _choose(self) -> None:
         alpha = self.stats.alpha()
         value = expected_tokens(alpha, self.draft_lengths) / self.cost.grid(
             self.exit_layers, self.draft_lengths
@@ -106,10 +194,3 @@ class DynamicExit(Policy):
         self.tau = self.stats.threshold()
         self.tau_exit = float(self.tau[row])
         self.warm = False
-        record.extra.update(
-            tau=round(self.tau_exit, 4),
-            alpha=[round(a, 4) for a in alpha.tolist()],
-            next_exit_layer=self.exit_layer,
-            next_draft_length=self.draft_length,
-            shadow_s=time.perf_counter() - start,
-        )

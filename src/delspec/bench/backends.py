@@ -1,0 +1,181 @@
+"""What runs one benchmark generation: delspec itself, or a peer library on the same weights.
+
+A backend is built once per run from the loaded model; `Backend.generator(strategy, options)`
+checks the options and returns a `Generate`: ``(prompt ids, max new tokens) -> Output``, greedy,
+stopping after an EOS token of the model. Peers load the Hugging Face checkpoint that delspec
+loaded (for a GGUF file, its cached conversion) in the same dtype, on the same device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from delspec.errors import ConfigError
+from delspec.generate import Stats, decode_tokens
+from delspec.loading import LoadedModel, converted_checkpoint
+from delspec.policies import make_policy
+
+ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
+
+
+@dataclass
+class Output:
+    """The new tokens of one generation; delspec methods add their stats and per-round trace,
+    `layers` naming the exit layers of the trace's alpha vectors (DEL variants)."""
+
+    token_ids: list[int]
+    stats: Stats | None = None
+    trace: list[dict[str, Any]] | None = None
+    layers: list[int] | None = None
+
+
+Generate = Callable[[list[int], int], Output]
+
+
+class Backend(Protocol):
+    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+        """A generation function; invalid options raise `ConfigError` here, not on first use."""
+        ...
+
+
+def timed(generate: Generate, prompt_ids: list[int], max_new_tokens: int) -> tuple[Output, float]:
+    """`generate`'s output and the wall-clock seconds around it (prefill included)."""
+    start = time.perf_counter()
+    output = generate(prompt_ids, max_new_tokens)
+    return output, time.perf_counter() - start
+
+
+class DelspecBackend:
+    """delspec's token-level decoding loop with a named strategy (no text streaming, like the
+    peers), traced every round."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+
+    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+        model, eos = self.lm.model, self.lm.eos_token_ids
+        make_policy(strategy, model.num_layers, **options)  # reject bad options now
+
+        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+            policy = make_policy(strategy, model.num_layers, **options)
+            decoded = decode_tokens(
+                model,
+                prompt_ids,
+                policy,
+                max_new_tokens=max_new_tokens,
+                eos_token_ids=eos,
+                trace=True,
+            )
+            layers = getattr(policy, "candidates", None)
+            return Output(decoded.token_ids, decoded.stats, decoded.trace, layers)
+
+        return generate
+
+
+class TransformersBackend:
+    """transformers' own greedy `generate`, plain ("greedy") or with its LayerSkip early-exit
+    assistant ("early-exit": `exit_layer` E and `draft_length` d, defaulting to the `static`
+    strategy's; drafts exactly d tokens per round, no confidence cut-off)."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.model = load_transformers_model(lm)
+
+    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+        if strategy == "greedy" and not options:
+            return self._generate
+        if strategy == "early-exit":
+            exit_layer, draft_length = static_setting(self.lm, options)
+            return lambda ids, n: self._generate(ids, n, exit_layer, draft_length)
+        raise ConfigError(f"transformers {strategy} takes no options {dict(options)}")
+
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        exit_layer: int | None = None,
+        draft_length: int = 0,
+    ) -> Output:
+        from transformers import GenerationConfig
+
+        eos = list(self.lm.eos_token_ids)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+            assistant_early_exit=exit_layer,
+        )
+        # transformers (5.x) reads the drafting schedule from the model's own generation config.
+        own = self.model.generation_config
+        own.num_assistant_tokens = draft_length
+        own.num_assistant_tokens_schedule = "constant"
+        own.assistant_confidence_threshold = 0.0
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=config
+        )
+        return Output(out[0, len(prompt_ids) :].tolist())
+
+
+class EconomizeBackend:
+    """The `economize` package's LayerSkip drafter ("early-exit": the model's first E layers
+    with its shared norm and head, frozen; d drafts per cycle), through its own decoding loop.
+
+    `economize.apply` attaches to a model, so each generator loads its own copy of the weights.
+    """
+
+    def __init__(self, lm: LoadedModel) -> None:
+        if importlib.util.find_spec("economize") is None:
+            raise ConfigError(f"economize methods need the economize package: {ECONOMIZE_INSTALL}")
+        self.lm = lm
+
+    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+        import economize
+        from economize.techniques.early_exit import EarlyExitConfig
+
+        if strategy != "early-exit":
+            raise ConfigError(f"unknown economize strategy {strategy!r}")
+        exit_layer, draft_length = static_setting(self.lm, options)
+        drafter = EarlyExitConfig(exit_layer=exit_layer, head="shared", adaptation="frozen")
+        model = economize.apply(load_transformers_model(self.lm), drafter)
+        decoding = economize.DecodeConfig(cycle_length=draft_length + 1, lossless=True)
+        eos = list(self.lm.eos_token_ids)
+
+        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+            ids = torch.tensor(prompt_ids, device=model.device)
+            result = model.decode(ids, max_new_tokens, decoding=decoding, stop=eos or None)
+            return Output(result.tokens.tolist())
+
+        return generate
+
+
+BACKENDS: dict[str, Callable[[LoadedModel], Backend]] = {
+    "delspec": DelspecBackend,
+    "transformers": TransformersBackend,
+    "economize": EconomizeBackend,
+}
+
+
+def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, int]:
+    """(E, d) from `options` (`exit_layer`, `draft_length`), with the `static` strategy's
+    defaults and checks."""
+    policy = make_policy("static", lm.model.num_layers, **options)
+    return policy.exit_layer, policy.draft_length
+
+
+def load_transformers_model(lm: LoadedModel) -> Any:
+    """The transformers model of the checkpoint `lm` was loaded from, in its dtype and device."""
+    from transformers import AutoModelForCausalLM
+
+    source = Path(lm.source)
+    checkpoint = source if source.is_dir() else converted_checkpoint(source)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=lm.model.dtype)
+    return model.to(lm.model.device).eval()

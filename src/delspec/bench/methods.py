@@ -1,0 +1,138 @@
+"""The methods `delspec bench` can compare, by name, and the ``--methods`` list syntax.
+
+A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strategy and fixed
+options. Adding a variant is one entry, e.g. ``METHODS["del-fast"] = MethodSpec("del",
+{"omega": 0.9}, description=...)``. On the command line, ``NAME:key=value,...`` adds or
+overrides options; ``E`` and ``d`` stand for ``exit_layer`` and ``draft_length``, and a value
+``a/b/c`` is a list (used by ``static-sweep`` grids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from delspec.errors import ConfigError
+
+OPTION_ALIASES = {"E": "exit_layer", "d": "draft_length"}
+REFERENCE = "ar"  # every run includes it: speedups and losslessness are measured against it
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How a named method runs.
+
+    `backend` names an entry of `delspec.bench.runner.BACKENDS` ("delspec", "transformers",
+    "economize"); `strategy` is what that backend runs (a delspec strategy name, or the peer's
+    mode). `peer` methods come from other libraries: their outputs are compared with `ar` but a
+    mismatch does not fail the run. `sweep` methods first pick `exit_layer` and `draft_length`
+    per task on calibration prompts (grid options are lists).
+    """
+
+    strategy: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    backend: str = "delspec"
+    peer: bool = False
+    sweep: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+
+METHODS: dict[str, MethodSpec] = {
+    "ar": MethodSpec("ar", description="vanilla autoregressive greedy decoding (the reference)"),
+    "del": MethodSpec("del", description="DEL: dynamic exit layer + dynamic draft exiting"),
+    "dele": MethodSpec("dele", description="DEL without dynamic draft exiting (DEL-E)"),
+    "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
+    "static-sweep": MethodSpec(
+        "static",
+        sweep=True,
+        description="static at the (E, d) with the best tokens/s on calibration prompts per task",
+    ),
+    "fs": MethodSpec("fs", description="fixed E; draft length +1 / -1 per round (FS)"),
+    "dv": MethodSpec("dv", description="fixed E; Draft & Verify's adaptive confidence threshold"),
+    "hf": MethodSpec(
+        "greedy",
+        backend="transformers",
+        peer=True,
+        description="transformers model.generate, greedy, same weights",
+    ),
+    "hf-early-exit": MethodSpec(
+        "early-exit",
+        backend="transformers",
+        peer=True,
+        description="transformers generate(assistant_early_exit=E), d drafts per round",
+    ),
+    "economize-early-exit": MethodSpec(
+        "early-exit",
+        backend="economize",
+        peer=True,
+        description="economize's LayerSkip drafter (shared head, frozen layers), d drafts",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A requested method: its label in reports, its spec, and the spec's options updated with
+    the user's."""
+
+    label: str
+    name: str
+    spec: MethodSpec
+    options: Mapping[str, Any]
+
+
+def parse_methods(text: str) -> list[Method]:
+    """The methods of a ``--methods`` value, `REFERENCE` first (added when missing).
+
+    ``"ar,static:E=8,d=4,del"`` is three methods: a comma-separated item that contains ``=`` but
+    no ``:`` continues the previous method's options. Raises `ConfigError` for an unknown
+    method, a malformed option, or a label given twice.
+    """
+    items: list[list[str]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and ":" not in item:
+            if not items:
+                raise ConfigError(f"option {item!r} comes before any method in {text!r}")
+            items[-1].append(item)
+        else:
+            items.append([item])
+    methods = [_method(",".join(parts)) for parts in items]
+    if not any(m.label == REFERENCE for m in methods):
+        methods.insert(0, _method(REFERENCE))
+    labels = [m.label for m in methods]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise ConfigError(f"method(s) given twice: {', '.join(duplicates)}")
+    return sorted(methods, key=lambda m: m.label != REFERENCE)
+
+
+def _method(label: str) -> Method:
+    name, _, raw = label.partition(":")
+    spec = METHODS.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    options = dict(spec.options)
+    for pair in filter(None, raw.split(",")):
+        key, sep, value = pair.partition("=")
+        if not (sep and key and value):
+            raise ConfigError(f"method {label!r}: expected key=value, got {pair!r}")
+        values = [_scalar(v) for v in value.split("/")]
+        options[OPTION_ALIASES.get(key, key)] = values if len(values) > 1 else values[0]
+    return Method(label, name, spec, MappingProxyType(options))
+
+
+def _scalar(text: str) -> int | float | bool | str:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -1,0 +1,205 @@
+"""Writing a benchmark run's results: JSON, a Markdown table shaped like the paper's Table 1, and
+PNG plots.
+
+Files under the output directory: ``results.json`` (everything: settings, environment, every
+per-prompt record, sweeps, aggregates, losslessness, the plotted trace), ``summary.json``
+(``{model: {task: {method: {"speedup", "tokens_per_s", "lossless"}}}}``, tasks then
+``"overall"``), ``table.md``, ``speedup.png``, and for a DEL run ``exit_layer_trace.png`` and
+``alpha_heatmap.png``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from delspec.bench.methods import REFERENCE
+from delspec.bench.metrics import OVERALL
+from delspec.bench.plots import alpha_heatmap, exit_trace_plot, speedup_plot
+from delspec.bench.runner import BenchResult
+
+SPEEDUP_PNG = "speedup.png"
+TRACE_PNG = "exit_layer_trace.png"
+HEATMAP_PNG = "alpha_heatmap.png"
+
+
+def write_report(result: BenchResult, out: str | Path) -> list[Path]:
+    """Write every output file of `result` into directory `out` (created); returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [
+        _write_json(out / "results.json", result.as_dict()),
+        _write_json(out / "summary.json", summary(result)),
+        speedup_plot(
+            result.aggregates, out / SPEEDUP_PNG, f"{result.model['name']}: speedup over ar"
+        ),
+    ]
+    if result.trace:
+        paths += [exit_trace_plot(result.trace, out / TRACE_PNG)]
+        paths += [alpha_heatmap(result.trace, out / HEATMAP_PNG)]
+    table = out / "table.md"
+    table.write_text(markdown(result), encoding="utf-8")
+    return [*paths, table]
+
+
+def summary(result: BenchResult) -> dict[str, Any]:
+    """The compact ``{model: {task: {method: {speedup, tokens_per_s, lossless}}}}``."""
+    return {
+        result.model["name"]: {
+            group: {
+                method: {k: m[k] for k in ("speedup", "tokens_per_s", "lossless")}
+                for method, m in methods.items()
+            }
+            for group, methods in result.aggregates.items()
+        }
+    }
+
+
+def markdown(result: BenchResult) -> str:
+    """The report: Table 1 (eTPL / speedup per task, overall speed and speedup), details,
+    sweeps, losslessness and plots."""
+    tasks = result.settings["tasks"]
+    aggregates = result.aggregates
+    env, settings = result.environment, result.settings
+    lines = [
+        f"# delspec bench: {result.model['name']}",
+        "",
+        f"{env['date']} · torch {env['torch']} · transformers {env['transformers']} · "
+        f"{env['threads']} thread(s) · {env['cpu']} · {result.model['dtype']} on "
+        f"{result.model['device']} · {result.model['layers']} layers",
+        "",
+        f"{settings['prompts']} prompts ({_origin(settings)}), greedy, at most "
+        f"{settings['max_new_tokens']} new tokens; methods interleaved per prompt.",
+        "",
+    ]
+    if not result.ok:
+        lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
+    lines += [
+        "| Method | " + " | ".join(tasks) + " | Speed (tok/s) | Overall |",
+        "|---|" + "---|" * (len(tasks) + 2),
+    ]
+    for method in result.methods:
+        cells = [_cell(aggregates[task][method]) for task in tasks]
+        overall = aggregates[OVERALL][method]
+        name = method if overall["lossless"] else f"{method} (NOT LOSSLESS)"
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {overall['tokens_per_s']:.2f} | "
+            f"{overall['speedup']:.2f}× |"
+        )
+    lines += [
+        "",
+        f"Cells: eTPL / speedup over {REFERENCE} (ratio of overall tokens/s on the task's "
+        "prompts, measured in this run); – where a peer library exposes no eTPL.",
+        "",
+        "## Details (all prompts)",
+        "",
+        "| Method | tok/s | speedup | median per-prompt speedup | acceptance | mean exit layer "
+        "| mean draft length | policy time share | lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method in result.methods:
+        m = aggregates[OVERALL][method]
+        lines.append(
+            f"| {method} | {m['tokens_per_s']:.2f} | {m['speedup']:.2f}× | "
+            f"{m['speedup_median']:.2f}× | {_num(m['acceptance_rate'], '.1%')} | "
+            f"{_num(m['mean_exit_layer'], '.1f')} | {_num(m['mean_draft_length'], '.2f')} | "
+            f"{_num(m['policy_share'], '.1%')} | {'yes' if m['lossless'] else 'NO'} |"
+        )
+    lines += ["", *_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
+    lines += ["## Plots", "", f"![speedup by task and method]({SPEEDUP_PNG})", ""]
+    if result.trace:
+        lines += [
+            f"![exit layer and alpha over rounds]({TRACE_PNG})",
+            "",
+            f"![alpha per layer over rounds]({HEATMAP_PNG})",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def summary_lines(result: BenchResult) -> list[str]:
+    """A few lines for the terminal: overall speed and speedup per method, then losslessness."""
+    lines = [
+        f"{method:<24} {m['tokens_per_s']:8.2f} tok/s  {m['speedup']:.2f}×"
+        + ("" if m["lossless"] else "  NOT LOSSLESS")
+        for method, m in result.aggregates[OVERALL].items()
+    ]
+    for failure in result.lossless["failures"]:
+        lines.append(
+            f"NOT LOSSLESS: {failure['method']} on {failure['task']}/{failure['prompt_id']} "
+            f"differs from {REFERENCE} at token {failure['first_divergence']}"
+        )
+    return lines
+
+
+def _method_notes(result: BenchResult) -> list[str]:
+    lines = ["## Methods", ""]
+    for label, info in result.methods.items():
+        options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
+        lines.append(f"- `{label}`: {info['description']}" + (f" ({options})" if options else ""))
+    return [*lines, ""]
+
+
+def _sweep_notes(result: BenchResult) -> list[str]:
+    if not result.sweeps:
+        return []
+    held_out = result.settings["calibration_held_out"]
+    lines = [
+        "## Static sweeps",
+        "",
+        "Chosen per task by overall tokens/s on calibration prompts "
+        + ("held out from the evaluated ones." if held_out else "that are also evaluated."),
+        "",
+    ]
+    for label, tasks in result.sweeps.items():
+        for task, sweep in tasks.items():
+            chosen = sweep["chosen"]
+            best = max(row["tokens_per_s"] for row in sweep["grid"])
+            lines.append(
+                f"- `{label}` on {task}: E={chosen['exit_layer']}, d={chosen['draft_length']} "
+                f"({best:.1f} tok/s on {sweep['calibration_prompts']} prompt(s), "
+                f"{len(sweep['grid'])} settings)"
+            )
+    return [*lines, ""]
+
+
+def _lossless_notes(result: BenchResult) -> list[str]:
+    lossless = result.lossless
+    lines = ["## Losslessness", ""]
+    if lossless["ok"]:
+        lines.append(f"Every delspec method's output is token-identical to {REFERENCE}'s.")
+    for failure in lossless["failures"]:
+        lines.append(f"- **NOT LOSSLESS** {_mismatch(failure)}")
+    if lossless["peer_mismatches"]:
+        lines += ["", "Peer libraries (float rounding may differ; these do not fail the run):"]
+        lines += [f"- {_mismatch(m)}" for m in lossless["peer_mismatches"]]
+    elif any(info["peer"] for info in result.methods.values()):
+        lines.append(f"Peer libraries' outputs are token-identical to {REFERENCE}'s too.")
+    return [*lines, ""]
+
+
+def _mismatch(m: dict[str, Any]) -> str:
+    return (
+        f"`{m['method']}` on {m['task']}/{m['prompt_id']}: first divergence from {REFERENCE} "
+        f"at token {m['first_divergence']}"
+    )
+
+
+def _origin(settings: dict[str, Any]) -> str:
+    if "prompts_file" in settings:
+        return f"from {settings['prompts_file']}"
+    return f"{settings['num_samples']} per task, seed {settings['seed']}"
+
+
+def _cell(m: dict[str, Any]) -> str:
+    return f"{_num(m['etpl'], '.3f')} / {m['speedup']:.2f}×"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _write_json(path: Path, data: Any) -> Path:
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path

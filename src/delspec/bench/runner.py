@@ -1,0 +1,382 @@
+"""Running a benchmark: every method on every prompt, interleaved, checked against `ar`.
+
+For each prompt every method runs once, in an order rotated by one place per prompt, so that a
+drift of the machine's speed falls on all methods alike. Each method first runs one short
+untimed generation (warm-up). `static-sweep` methods first time every (E, d) of their grid on
+each task's calibration prompts (interleaved the same way) and keep the fastest per task.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from itertools import product
+from typing import Any, TypeVar
+
+import torch
+from tqdm import tqdm
+
+from delspec.bench.backends import BACKENDS, Backend, Generate, Output, timed
+from delspec.bench.methods import REFERENCE, Method
+from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
+from delspec.bench.tasks import TASKS, Prompt, load_prompts_file, load_task
+from delspec.errors import ConfigError
+from delspec.loading import LoadedModel
+
+SWEEP_EXIT_FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 3 / 4)  # of the model's layers
+SWEEP_DRAFT_LENGTHS = (2, 4, 6)
+SWEEP_CALIBRATION = 2  # calibration prompts per task
+SWEEP_GRID_KEYS = ("exit_layer", "draft_length")
+WARMUP_TOKENS = 8
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The evaluated prompts, each task's calibration prompts (for sweeps), and where they came
+    from. `held_out` is False when calibration reuses evaluated prompts (a user's prompts file).
+    """
+
+    prompts: list[Prompt]
+    calibration: dict[str, list[Prompt]]
+    held_out: bool
+    origin: dict[str, Any]
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(dict.fromkeys(p.task for p in self.prompts))
+
+
+@dataclass
+class BenchResult:
+    """Everything a run measured; `aggregates` and `lossless` are derived from `records`."""
+
+    model: dict[str, Any]
+    settings: dict[str, Any]
+    environment: dict[str, Any]
+    methods: dict[str, dict[str, Any]]
+    records: list[dict[str, Any]]
+    sweeps: dict[str, dict[str, Any]]
+    trace: dict[str, Any] | None
+    aggregates: dict[str, Any] = field(init=False)
+    lossless: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        peers = {label for label, info in self.methods.items() if info["peer"]}
+        self.aggregates = aggregate(self.records, list(self.methods), self.settings["tasks"])
+        self.lossless = lossless_summary(self.records, peers)
+
+    @property
+    def ok(self) -> bool:
+        """True when every delspec method reproduced `ar`'s tokens on every prompt."""
+        return bool(self.lossless["ok"])
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def calibration_count(methods: Sequence[Method]) -> int:
+    """Calibration prompts per task that the sweep methods need (0 without sweeps)."""
+    counts = [int(m.options.get("calibration", SWEEP_CALIBRATION)) for m in methods if m.spec.sweep]
+    if any(c < 1 for c in counts):
+        raise ConfigError("a sweep needs calibration >= 1 prompt per task")
+    return max(counts, default=0)
+
+
+def select_prompts(
+    tasks: Sequence[str] | None,
+    num_samples: int,
+    seed: int,
+    prompts_file: str | os.PathLike[str] | None = None,
+    calibration: int = 0,
+) -> PromptSet:
+    """The prompts of `tasks` (None = all) or of a user's JSON Lines file.
+
+    For tasks, the `calibration` prompts of each task are the ones after the first `num_samples`
+    in the task's seeded order, so they are never evaluated. A prompts file's prompts are grouped
+    by their ``task`` field, and the sweeps calibrate on the file's own first prompts per task.
+    """
+    if prompts_file is not None:
+        if tasks is not None:
+            raise ConfigError("give either tasks or a prompts file, not both")
+        prompts = load_prompts_file(prompts_file)
+        by_task: dict[str, list[Prompt]] = {}
+        for prompt in prompts:
+            by_task.setdefault(prompt.task, []).append(prompt)
+        return PromptSet(
+            [p for group in by_task.values() for p in group],
+            {task: group[:calibration] for task, group in by_task.items()} if calibration else {},
+            held_out=False,
+            origin={"prompts_file": str(prompts_file)},
+        )
+    names = list(TASKS) if tasks is None else list(dict.fromkeys(tasks))
+    unknown = [name for name in names if name not in TASKS]
+    if unknown or not names:
+        raise ConfigError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    evaluated: list[Prompt] = []
+    held_out: dict[str, list[Prompt]] = {}
+    for name in names:
+        pool = load_task(name, num_samples + calibration, seed)
+        evaluated += pool[:num_samples]
+        if calibration:
+            held_out[name] = pool[num_samples:]
+    origin = {"tasks": names, "num_samples": num_samples, "seed": seed}
+    return PromptSet(evaluated, held_out, held_out=True, origin=origin)
+
+
+def run_bench(
+    lm: LoadedModel,
+    methods: Sequence[Method],
+    prompt_set: PromptSet,
+    *,
+    max_new_tokens: int = 128,
+    progress: bool = True,
+) -> BenchResult:
+    """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`.
+
+    Raises `ConfigError` for a method option its backend rejects (before any timed run).
+    """
+    if not methods or methods[0].label != REFERENCE:
+        raise ConfigError(f"the first method must be {REFERENCE!r}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    environment = run_environment(lm)
+    tasks = prompt_set.tasks
+    encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
+    calibration = {
+        task: [lm.tokenizer.encode(p.text) for p in group]
+        for task, group in prompt_set.calibration.items()
+    }
+    backends: dict[str, Backend] = {}
+    for method in methods:
+        if method.spec.backend not in backends:
+            backends[method.spec.backend] = BACKENDS[method.spec.backend](lm)
+    grids = {m.label: _sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
+    if grids and any(not calibration.get(task) for task in tasks):
+        raise ConfigError("sweep methods need calibration prompts for every task")
+    runs = len(encoded) * len(methods)
+    runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
+    bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
+
+    first = next(iter(encoded.values()))
+    generators: dict[str, dict[str, Generate]] = {}
+    sweeps: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        backend = backends[method.spec.backend]
+        if method.label in grids:
+            sweeps[method.label], generators[method.label] = _sweep(
+                method, backend, grids[method.label], tasks, calibration, max_new_tokens, bar
+            )
+        else:
+            generate = _generator(method, backend, method.options)
+            generate(first, min(WARMUP_TOKENS, max_new_tokens))
+            generators[method.label] = dict.fromkeys(tasks, generate)
+
+    records: list[dict[str, Any]] = []
+    traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
+    for index, (prompt, ids) in enumerate(encoded.items()):
+        outputs: dict[str, tuple[Output, float, int]] = {}
+        for turn, method in enumerate(_rotated(methods, index)):
+            bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
+            output, seconds = timed(generators[method.label][prompt.task], ids, max_new_tokens)
+            outputs[method.label] = (output, seconds, turn)
+            bar.update()
+            if output.layers and output.trace and "alpha" in output.trace[-1]:
+                best = traced.get(method.label)
+                if best is None or len(output.trace) > len(best[1].trace or ()):
+                    traced[method.label] = (prompt, output)
+        records += _records(lm, prompt, len(ids), methods, outputs)
+    bar.close()
+
+    return BenchResult(
+        model=model_info(lm),
+        settings={
+            **prompt_set.origin,
+            "tasks": tasks,
+            "max_new_tokens": max_new_tokens,
+            "prompts": len(encoded),
+            "calibration_held_out": prompt_set.held_out,
+            "warmup_tokens": WARMUP_TOKENS,
+        },
+        environment=environment,
+        methods={
+            m.label: {
+                "name": m.name,
+                "backend": m.spec.backend,
+                "strategy": m.spec.strategy,
+                "options": dict(m.options),
+                "peer": m.spec.peer,
+                "description": m.spec.description,
+            }
+            for m in methods
+        },
+        records=records,
+        sweeps=sweeps,
+        trace=_plotted_trace(methods, traced),
+    )
+
+
+def _generator(method: Method, backend: Backend, options: Mapping[str, Any]) -> Generate:
+    try:
+        return backend.generator(method.spec.strategy, options)
+    except ConfigError as exc:
+        raise ConfigError(f"method {method.label!r}: {exc}") from exc
+
+
+def _sweep_grid(method: Method, num_layers: int) -> list[dict[str, int]]:
+    """The (E, d) settings a sweep method tries: its `exit_layer` and `draft_length` options
+    (a value or a list), by default fractions of the model's depth and a few draft lengths."""
+    exits = sorted({max(1, round(num_layers * f)) for f in SWEEP_EXIT_FRACTIONS})
+    defaults = {"exit_layer": exits, "draft_length": list(SWEEP_DRAFT_LENGTHS)}
+    axes = []
+    for key in SWEEP_GRID_KEYS:
+        value = method.options.get(key, defaults[key])
+        axes.append(value if isinstance(value, list) else [value])
+    return [dict(zip(SWEEP_GRID_KEYS, point, strict=True)) for point in product(*axes)]
+
+
+def _sweep(
+    method: Method,
+    backend: Backend,
+    grid: list[dict[str, int]],
+    tasks: list[str],
+    calibration: dict[str, list[list[int]]],
+    max_new_tokens: int,
+    bar: tqdm,
+) -> tuple[dict[str, Any], dict[str, Generate]]:
+    """Per task, the fastest grid setting (overall tokens/s on the calibration prompts) and its
+    generator; every setting is warmed up once and rejects bad options before any timing."""
+    fixed = {k: v for k, v in method.options.items() if k not in (*SWEEP_GRID_KEYS, "calibration")}
+    candidates = [_generator(method, backend, {**fixed, **setting}) for setting in grid]
+    warm = calibration[tasks[0]][0]
+    for generate in candidates:
+        generate(warm, min(WARMUP_TOKENS, max_new_tokens))
+    report: dict[str, Any] = {}
+    chosen: dict[str, Generate] = {}
+    for task in tasks:
+        tokens = [0] * len(grid)
+        seconds = [0.0] * len(grid)
+        for index, ids in enumerate(calibration[task]):
+            for point in _rotated(range(len(grid)), index):
+                bar.set_postfix_str(f"sweep {task} {grid[point]}", refresh=False)
+                output, wall = timed(candidates[point], ids, max_new_tokens)
+                tokens[point] += len(output.token_ids)
+                seconds[point] += wall
+                bar.update()
+        speeds = [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds, strict=True)]
+        best = max(range(len(grid)), key=speeds.__getitem__)
+        report[task] = {
+            "chosen": grid[best],
+            "grid": [{**p, "tokens_per_s": round(v, 3)} for p, v in zip(grid, speeds, strict=True)],
+            "calibration_prompts": len(calibration[task]),
+        }
+        chosen[task] = candidates[best]
+    return report, chosen
+
+
+def _rotated(items: Sequence[_T] | range, shift: int) -> Iterator[_T]:
+    """`items` starting at position `shift` (mod its length), wrapping around."""
+    start = shift % len(items)
+    yield from items[start:]
+    yield from items[:start]
+
+
+def _records(
+    lm: LoadedModel,
+    prompt: Prompt,
+    prompt_tokens: int,
+    methods: Sequence[Method],
+    outputs: Mapping[str, tuple[Output, float, int]],
+) -> list[dict[str, Any]]:
+    """One record per method for `prompt`, in method order, compared with `ar`'s output."""
+    reference, reference_s, _ = outputs[REFERENCE]
+    reference_speed = len(reference.token_ids) / reference_s
+    records = []
+    for method in methods:
+        output, seconds, turn = outputs[method.label]
+        speed = len(output.token_ids) / seconds
+        divergence = first_divergence(output.token_ids, reference.token_ids)
+        records.append(
+            {
+                "task": prompt.task,
+                "prompt_id": prompt.id,
+                "method": method.label,
+                "turn": turn,
+                "prompt_tokens": prompt_tokens,
+                "new_tokens": len(output.token_ids),
+                "wall_s": round(seconds, 6),
+                "tokens_per_s": round(speed, 3),
+                "speedup": round(speed / reference_speed, 4),
+                "lossless": divergence is None,
+                "first_divergence": divergence,
+                "stats": output.stats.as_dict() if output.stats else None,
+                "text": lm.tokenizer.decode(output.token_ids, skip_special_tokens=True),
+            }
+        )
+    return records
+
+
+def _plotted_trace(
+    methods: Sequence[Method], traced: Mapping[str, tuple[Prompt, Output]]
+) -> dict[str, Any] | None:
+    """The longest per-round trace of `del` (else of the first DEL-like method that ran)."""
+    labels = [m.label for m in methods if m.label in traced]
+    if not labels:
+        return None
+    label = "del" if "del" in labels else labels[0]
+    prompt, output = traced[label]
+    return {
+        "method": label,
+        "task": prompt.task,
+        "prompt_id": prompt.id,
+        "layers": output.layers,
+        "rounds": output.trace,
+    }
+
+
+def model_info(lm: LoadedModel) -> dict[str, Any]:
+    config = lm.model.config
+    return {
+        "name": lm.name,
+        "source": lm.source,
+        "layers": config.num_layers,
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "device": str(lm.model.device),
+    }
+
+
+def run_environment(lm: LoadedModel) -> dict[str, Any]:
+    """Versions, machine and invocation of this run."""
+    device = lm.model.device
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": metadata.version("transformers"),
+        "delspec": metadata.version("delspec"),
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

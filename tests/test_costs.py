@@ -1,0 +1,112 @@
+"""Cost models: measured profiles, (E, d) selection by tokens per second, no-draft rounds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
+from delspec.engine import ExitHead
+from delspec.exit_statistics import best_plan, expected_tokens
+from delspec.generate import decode_tokens
+from delspec.policies import make_policy
+
+LAYERS = 10
+EXITS = torch.tensor([2, 5, 8])
+LENGTHS = torch.arange(0, 6)
+
+
+def profile(layer, head, draft_head=0.001):
+    return CostProfile(layer=layer, head=head, draft_head=draft_head, key="test", measured_at=0)
+
+
+def choose(alpha, cost):
+    value = expected_tokens(torch.tensor(alpha, dtype=torch.float64), LENGTHS) / cost.grid(
+        EXITS, LENGTHS
+    )
+    row, col = best_plan(value)
+    return int(EXITS[row]), int(LENGTHS[col])
+
+
+def test_measured_cost_by_hand():
+    cost = MeasuredCost(profile([1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6, 0.25), LAYERS)
+    grid = cost.grid(EXITS, LENGTHS)
+    # d = 0: a plain step, 10 layers * 1.0 + head 0.5
+    assert grid[:, 0].tolist() == [10.5] * 3
+    # E = 5, d = 2: 2 * (5 * 1.0 + 0.25) + 5 * 1.0 + 5 * layer(3 tokens) 2.0 + head 0.5
+    assert grid[1, 2].item() == pytest.approx(10.5 + 5 + 10 + 0.5)
+
+
+def test_verification_that_is_not_free_makes_no_draft_best():
+    # CPU-like: verifying k tokens costs nearly k plain steps, so drafting cannot pay.
+    cost = MeasuredCost(
+        profile([1.0, 1.9, 2.8, 3.7, 4.6, 5.5], [0.5 * k for k in range(1, 7)]), LAYERS
+    )
+    assert choose([0.3, 0.6, 0.9], cost) == (2, 0)  # d = 0: every exit is a plain step
+    # The paper's layer-count model ignores that and drafts.
+    assert choose([0.3, 0.6, 0.9], LayerCost(LAYERS))[1] > 0
+
+
+def test_cheap_verification_picks_the_best_layer_and_length():
+    # GPU-like: verification of up to 6 tokens costs one step; a late layer accepts well.
+    cost = MeasuredCost(profile([1.0] * 6, [0.5] * 6), LAYERS)
+    # E = 8: cost(d) = 8.001 d + 10.5; tokens(d) = (1 - 0.95^(d+1)) / 0.05
+    # d = 1: 1.95 / 18.501 = 0.1054; d = 2: 2.8525 / 26.502 = 0.1076; d = 3: 3.7099 / 34.503 = 0.1075
+    assert choose([0.2, 0.5, 0.95], cost) == (8, 2)
+    # With a cheap early layer that accepts as well, drafting longer pays.
+    assert choose([0.95, 0.5, 0.2], cost) == (2, 5)
+
+
+def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monkeypatch):
+    model = tiny_model(seed=0, shallow=2)
+    policy = make_policy("del", model.num_layers, cost="measured", no_draft=True)
+    # verifying k tokens costs k plain steps: even always-accepted drafts cannot pay
+    slow = profile([1.0 * k for k in range(1, 21)], [0.1 * k for k in range(1, 21)], 0.5)
+    policy.cost = MeasuredCost(slow, model.num_layers)
+    prompt = list(range(3, 20))
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30)
+    got = decode_tokens(model, prompt, policy, max_new_tokens=30, trace=True)
+    assert got.token_ids == expected.token_ids
+    plain = [r for r in got.trace if r["exit_layer"] == 0]
+    assert len(plain) >= 25  # after the warm-up round, every round is a plain step
+    # statistics keep updating from plain steps: alpha changes between plain rounds
+    assert plain[0]["alpha"] != plain[-1]["alpha"]
+
+
+def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path):
+    model = tiny_model(seed=0)
+    head = ExitHead(model)
+    calls = []
+
+    def draft(h):
+        calls.append(1)
+        return head(h, 2)
+
+    first = cached_profile(model, draft, 64, 4, tmp_path)
+    assert len(first.layer) == 4 and all(t > 0 for t in first.layer + first.head)
+    measured = len(calls)
+    again = cached_profile(model, draft, 64, 4, tmp_path)
+    assert len(calls) == measured and again == first
+    path = next(tmp_path.glob("profile-*.json"))
+    data = json.loads(path.read_text())
+    data["measured_at"] = time.time() - 30 * 24 * 3600
+    path.write_text(json.dumps(data))
+    cached_profile(model, draft, 64, 4, tmp_path)
+    assert len(calls) > measured  # a month-old profile is measured again
+    path.write_text("{not json")
+    assert cached_profile(model, draft, 64, 4, tmp_path).key == first.key
+
+
+def test_shadow_budget_bounds_policy_work_and_stays_lossless():
+    model = tiny_model(seed=3, shallow=2)
+    prompt = list(range(1, 30))
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    policy = make_policy("del", model.num_layers, shadow_budget=0.05, no_draft=True)
+    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    assert got.token_ids == expected.token_ids
+    scored = [r for r in got.trace[1:] if r["shadow_ms"] > 0.05]
+    assert len(scored) < len(got.trace) - 1  # some rounds skip scoring entirely
