@@ -55,7 +55,7 @@ def test_cheap_verification_picks_the_best_layer_and_length():
     # GPU-like: verification of up to 6 tokens costs one step; a late layer accepts well.
     cost = MeasuredCost(profile([1.0] * 6, [0.5] * 6), LAYERS)
     # E = 8: cost(d) = 8.001 d + 10.5; tokens(d) = (1 - 0.95^(d+1)) / 0.05
-    # d = 1: 1.95 / 18.501 = 0.1054; d = 2: 2.8525 / 26.502 = 0.1076; d = 3: 3.7099 / 34.503 = 0.1075
+    # d=1: 1.95 / 18.501 = .1054; d=2: 2.8525 / 26.502 = .1076; d=3: 3.7099 / 34.503 = .1075
     assert choose([0.2, 0.5, 0.95], cost) == (8, 2)
     # With a cheap early layer that accepts as well, drafting longer pays.
     assert choose([0.95, 0.5, 0.2], cost) == (2, 5)
