@@ -80,6 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         on_text=None if args.json else show,
         trace=args.trace is not None,
+        adapters=None if args.adapters == "none" else args.adapters,
+        draft_vocab=args.draft_vocab,
         **strategy_options(args),
     )
     if args.trace is not None:
@@ -173,6 +175,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from delspec.adapters import default_adapters_path, save_adapters
+    from delspec.calibration import calibrate, read_prompts
+
+    lm = load(args)
+    adapters = calibrate(
+        lm,
+        read_prompts(args.prompts) if args.prompts else None,
+        layers=_layer_list(args.layers) if args.layers else None,
+        rank=args.rank,
+        steps=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    path = save_adapters(adapters, args.out or default_adapters_path(lm))
+    info = adapters.calibration
+    table = Table(
+        title=f"held-out agreement with the final layer ({info['heldout_positions']} positions)"
+    )
+    for column in ("exit layer", "top-1 before", "top-1 after", "KL before", "KL after"):
+        table.add_column(column, justify="right")
+    for row in info["layers"]:
+        table.add_row(
+            str(row["layer"]),
+            f"{row['agreement_before']:.3f}",
+            f"{row['agreement_after']:.3f}",
+            f"{row['kl_before']:.3f}",
+            f"{row['kl_after']:.3f}",
+        )
+    console = Console(highlight=False)
+    console.print(table)
+    console.print(
+        f"wrote {path} ({len(adapters.layers)} layers, rank {adapters.rank}, "
+        f"{info['train_positions']} training positions; generation {info['generate_s']:.0f} s, "
+        f"training {info['train_s']:.0f} s)",
+        markup=False,
+    )
+    return 0
+
+
+def _layer_list(text: str) -> list[int]:
+    """Exit layers from "8-12,20,24": ranges are inclusive."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            layers.extend(range(int(first), int(last or first) + 1))
+    except ValueError as exc:
+        raise DelspecError(f"--layers: expected e.g. 8-12,20, got {text!r}") from exc
+    return layers
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="delspec", description="DEL self-speculative decoding: lossless, faster generation."
@@ -192,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
+    gen.add_argument(
+        "--adapters",
+        default="auto",
+        help="exit adapters file from `delspec calibrate`; 'auto' (default): the model's own "
+        "if it has one; 'none'",
+    )
+    gen.add_argument(
+        "--draft-vocab", type=int, help="draft with only the K most frequent tokens' LM head rows"
+    )
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="describe a model")
@@ -226,6 +293,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     bench.set_defaults(func=cmd_bench)
+
+    cal = sub.add_parser("calibrate", help="train exit adapters that make drafts more accurate")
+    cal.add_argument("model", nargs="?", default="default")
+    cal.add_argument(
+        "--out", type=Path, help="adapters file (default: where `generate` finds it by itself)"
+    )
+    cal.add_argument(
+        "--prompts", type=Path, help=".jsonl or one-prompt-per-line file (default: built-in)"
+    )
+    cal.add_argument("--rank", type=int, default=64, help="adapter rank")
+    cal.add_argument("--layers", help="exit layers, e.g. 8-29 or 10,20 (default: all)")
+    cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
+    cal.add_argument("--steps", type=int, default=150, help="training steps per layer")
+    cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--device", default="cpu")
+    cal.add_argument("--dtype", default=None)
+    cal.add_argument("--threads", type=int, default=None)
+    cal.set_defaults(func=cmd_calibrate)
     return parser
 
 

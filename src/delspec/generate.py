@@ -6,11 +6,13 @@ templates, streaming text, and stop strings on top of it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
@@ -260,6 +262,26 @@ class TextStream:
         return pieces
 
 
+def encode_prompt(
+    lm: LoadedModel, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool = False
+) -> list[int]:
+    """Token ids of text, of a chat conversation (through the model's chat template; `chat=True`
+    wraps text as one user message), or of token ids (checked against the vocabulary)."""
+    if isinstance(prompt, str) and chat:
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, str):
+        return lm.tokenizer.encode(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        text = lm.apply_chat_template(list(prompt))
+        return lm.tokenizer.encode(text, add_special_tokens=False)
+    ids = list(prompt)
+    vocab = lm.model.config.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ConfigError(f"prompt token id {bad} is outside the vocabulary 0..{vocab - 1}")
+    return ids
+
+
 def generate(
     lm: LoadedModel,
     prompt: str | Sequence[int] | Sequence[dict[str, str]],
@@ -276,6 +298,8 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     trace: bool = False,
     exit_head: ExitHead | None = None,
+    adapters: str | os.PathLike | ExitAdapters | None = "auto",
+    draft_vocab: int | None = None,
     **strategy_options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` with a decoding strategy (DEL by default).
@@ -285,17 +309,15 @@ def generate(
     as it is produced, `kind` being "draft" for accepted draft tokens and "target" for tokens
     the full model supplied. `should_stop()` is polled after every round (e.g. a client
     disconnected). Extra keyword arguments configure the strategy (e.g. `exit_layer=4`).
+
+    Drafts use exit adapters (`adapters`: "auto" = the model's calibration file if it has one,
+    a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
+    frequent tokens (see `delspec.adapters.draft_head`), unless `exit_head` is given. Neither
+    changes the output.
     """
-    if isinstance(prompt, str) and chat:
-        prompt = [{"role": "user", "content": prompt}]
-    if isinstance(prompt, str):
-        prompt_ids = lm.tokenizer.encode(prompt)
-    elif prompt and isinstance(prompt[0], dict):
-        prompt_ids = lm.tokenizer.encode(
-            lm.apply_chat_template(list(prompt)), add_special_tokens=False
-        )
-    else:
-        prompt_ids = list(prompt)
+    if exit_head is not None and (adapters != "auto" or draft_vocab is not None):
+        raise ConfigError("pass either exit_head or adapters/draft_vocab, not both")
+    prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (
         strategy
@@ -318,7 +340,7 @@ def generate(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         eos_token_ids=lm.eos_token_ids,
-        exit_head=exit_head,
+        exit_head=exit_head or draft_head(lm, adapters, draft_vocab),
         on_round=on_round,
         trace=trace,
     )

@@ -267,7 +267,11 @@ class Transformer(nn.Module):
 
     def head(self, h: Tensor, weight: Tensor | None = None) -> Tensor:
         """Final norm + LM head -> logits. `weight` may be a row subset of the LM head."""
-        logits = F.linear(self.norm(h), self.lm_head.weight if weight is None else weight)
+        return self.project(self.norm(h), weight)
+
+    def project(self, n: Tensor, weight: Tensor | None = None) -> Tensor:
+        """LM head (+ final logit soft-capping) on already normalised states `n`."""
+        logits = F.linear(n, self.lm_head.weight if weight is None else weight)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.errors import ConfigError, ContextLengthError, DelspecError
-from delspec.generate import Result, generate
+from delspec.generate import Result, encode_prompt, generate
 from delspec.policies import make_policy
 
 if TYPE_CHECKING:
@@ -497,14 +497,11 @@ class _Service:
         self.lm, self.worker, self.name = lm, worker, name
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.context = lm.model.config.max_position
-        self.vocab = lm.model.config.vocab_size
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
         messages = [m.model_dump() for m in body.messages]
-        prompt_ids = self.lm.tokenizer.encode(
-            self.lm.apply_chat_template(messages), add_special_tokens=False
-        )
+        prompt_ids = encode_prompt(self.lm, messages)
         self._check_prompt(prompt_ids, "messages")
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -512,17 +509,10 @@ class _Service:
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         self._check_common(body)
-        if isinstance(body.prompt, str):
-            prompt_ids = self.lm.tokenizer.encode(body.prompt)
-        else:
-            prompt_ids = body.prompt
-            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab), None)
-            if bad is not None:
-                raise APIError(
-                    400,
-                    f"prompt token id {bad} is outside the vocabulary 0..{self.vocab - 1}",
-                    param="prompt",
-                )
+        try:
+            prompt_ids = encode_prompt(self.lm, body.prompt)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
         self._check_prompt(prompt_ids, "prompt")
         limit = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         return await self._complete(request, body, prompt_ids, limit, "max_tokens", chat=False)

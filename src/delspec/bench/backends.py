@@ -113,11 +113,12 @@ class TransformersBackend:
             pad_token_id=eos[0] if eos else None,
             assistant_early_exit=exit_layer,
         )
-        # transformers (5.x) reads the drafting schedule from the model's own generation config.
-        own = self.model.generation_config
-        own.num_assistant_tokens = draft_length
-        own.num_assistant_tokens_schedule = "constant"
-        own.assistant_confidence_threshold = 0.0
+        if exit_layer is not None:
+            # transformers 5 reads the drafting schedule from the model's own generation config
+            own = self.model.generation_config
+            own.num_assistant_tokens = draft_length
+            own.num_assistant_tokens_schedule = "constant"
+            own.assistant_confidence_threshold = 0.0  # no confidence cut-off, as in `static`
         ids = torch.tensor([prompt_ids], device=self.model.device)
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), generation_config=config

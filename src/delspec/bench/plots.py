@@ -24,7 +24,7 @@ def speedup_plot(
     """Grouped bars: speedup over `ar` of every other method, per task and overall."""
     groups = list(aggregates)
     methods = [m for m in next(iter(aggregates.values())) if m != REFERENCE]
-    figure = _figure(max(6.0, 1.2 * len(groups) * max(1, len(methods)) ** 0.5 + 2), 4.2)
+    figure = _figure(max(6.0, 0.16 * len(groups) * (len(methods) + 1) + 1.5), 4.5)
     axes = figure.add_subplot()
     width = 0.8 / max(1, len(methods))
     for index, method in enumerate(methods):
@@ -38,7 +38,7 @@ def speedup_plot(
     axes.set_xticks(range(len(groups)), groups)
     axes.set_ylabel(f"speedup over {REFERENCE} (overall tokens/s ratio)")
     axes.set_title(title)
-    axes.legend(fontsize=8, ncols=min(4, len(methods) + 1))
+    figure.legend(loc="outside lower center", fontsize=8, ncols=min(3, len(methods) + 1))
     return _save(figure, path)
 
 

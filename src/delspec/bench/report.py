@@ -120,10 +120,12 @@ def markdown(result: BenchResult) -> str:
 
 def summary_lines(result: BenchResult) -> list[str]:
     """A few lines for the terminal: overall speed and speedup per method, then losslessness."""
+    overall = result.aggregates[OVERALL]
+    width = max(map(len, overall))
     lines = [
-        f"{method:<24} {m['tokens_per_s']:8.2f} tok/s  {m['speedup']:.2f}×"
+        f"{method:<{width}}  {m['tokens_per_s']:8.2f} tok/s  {m['speedup']:.2f}×"
         + ("" if m["lossless"] else "  NOT LOSSLESS")
-        for method, m in result.aggregates[OVERALL].items()
+        for method, m in overall.items()
     ]
     for failure in result.lossless["failures"]:
         lines.append(

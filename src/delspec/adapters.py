@@ -1,0 +1,351 @@
+"""Exit adapters and pruned draft vocabularies: a better early-exit head for drafting.
+
+The adapter of exit layer E is a residual low-rank map on the final-norm-normalised state:
+`n = norm(h)`, `n' = n + up_E(down_E(n))`, logits = LM head(`n'`). `DraftHead` applies the
+adapters, and optionally keeps only the K most frequent tokens' rows of the LM head, for drafts
+and DEL's shadow tokens only: verification always runs the model's own full head, so output is
+unchanged (lossless). Adapters and a token-frequency ranking are stored in a safetensors sidecar
+with a fingerprint of the model (`save_adapters`); `load_adapters` refuses another model's file.
+They are made by `delspec.calibration.calibrate`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from torch import Tensor
+
+from delspec.engine import ExitHead
+from delspec.errors import ConfigError, ModelFormatError
+from delspec.loading import NAMED_MODELS, LoadedModel, cache_dir, named_model_path
+from delspec.model import Transformer
+
+FORMAT = "delspec-exit-adapters"
+VERSION = "1"
+SUFFIX = ".adapters.safetensors"
+_PROBE_ROWS = 16  # embedding (and untied LM head) rows kept in the fingerprint
+# Relative difference of fingerprint weights still taken as the same model: bfloat16 or float16
+# copies of one checkpoint differ by < 0.4%, another checkpoint or quantisation by far more.
+_PROBE_TOLERANCE = 1e-2
+# Model shapes a file must match, with how a mismatch names them.
+_IDENTITY = {
+    "family": "architecture",
+    "num_layers": "layers",
+    "hidden_size": "hidden size",
+    "vocab_size": "vocabulary size",
+}
+
+
+@dataclass
+class ExitAdapters:
+    """Per-layer exit adapters and a token-frequency ranking, calibrated for one model.
+
+    `down[i]` (`[rank, hidden]`) and `up[i]` (`[hidden, rank]`) form the adapter of exit layer
+    `layers[i]` (1..L-1), float32. `ranking` holds every token id, most frequent first.
+    `identity` and `probes` fingerprint the model (see `fingerprint`); `calibration` records
+    how the adapters were made (JSON-serialisable).
+    """
+
+    layers: list[int]
+    down: Tensor
+    up: Tensor
+    ranking: Tensor
+    identity: dict[str, str]
+    probes: dict[str, Tensor]
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[1]
+
+
+AdapterSource = str | os.PathLike | ExitAdapters | None
+
+
+def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """What ties adapters to `model`: its shapes, and float32 copies of a few of its weights.
+
+    The weights (final norm, last layer's MLP norm, a spread of embedding and untied LM head
+    rows) are compared with a tolerance rather than hashed, so that one sidecar serves every
+    dtype the checkpoint is loaded in.
+    """
+    cfg = model.config
+    identity = {k: str(v) for k, v in zip(_IDENTITY, _identity_values(model), strict=True)}
+    rows = torch.linspace(0, cfg.vocab_size - 1, _PROBE_ROWS).long().to(model.device)
+    probes = {
+        "final_norm": model.norm.weight,
+        "last_layer_norm": model.layers[-1].mlp_norm.weight,
+        "embedding": model.embedding.weight[rows],
+    }
+    if not cfg.tie_embeddings:
+        probes["lm_head"] = model.lm_head.weight[rows]
+    return identity, {k: v.detach().float().cpu().contiguous() for k, v in probes.items()}
+
+
+def _identity_values(model: Transformer) -> tuple[Any, ...]:
+    cfg = model.config
+    return cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+
+
+def save_adapters(adapters: ExitAdapters, path: str | os.PathLike) -> Path:
+    """Write `adapters` as one safetensors file (created atomically); returns its path."""
+    path = Path(path)
+    tensors = {
+        "layers": torch.tensor(adapters.layers, dtype=torch.long),
+        "down": adapters.down,
+        "up": adapters.up,
+        "ranking": adapters.ranking,
+        **{f"probe.{k}": v for k, v in adapters.probes.items()},
+    }
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        **adapters.identity,
+        "calibration": json.dumps(adapters.calibration),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, scratch, metadata)
+    scratch.replace(path)
+    return path
+
+
+def load_adapters(path: str | os.PathLike, model: Transformer) -> ExitAdapters:
+    """Read an adapters file and check that it was calibrated for `model`.
+
+    Raises `ModelFormatError` for an unreadable file or one made for another model, naming what
+    differs.
+    """
+    path = Path(path)
+    try:
+        with safe_open(path, "pt") as file:
+            metadata = file.metadata() or {}
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
+    if metadata.get("format") != FORMAT:
+        raise ModelFormatError(f"{path} is not a delspec adapters file")
+    if metadata.get("version") != VERSION:
+        raise ModelFormatError(
+            f"{path} has adapters format version {metadata.get('version')}, this delspec reads "
+            f"version {VERSION}; recalibrate with `delspec calibrate`"
+        )
+    identity = {k: metadata.get(k, "?") for k in _IDENTITY}
+    probes = {k[len("probe.") :]: v for k, v in tensors.items() if k.startswith("probe.")}
+    adapters = ExitAdapters(
+        layers=tensors["layers"].tolist(),
+        down=tensors["down"],
+        up=tensors["up"],
+        ranking=tensors["ranking"],
+        identity=identity,
+        probes=probes,
+        calibration=json.loads(metadata.get("calibration", "{}")),
+    )
+    differences = _differences(adapters, model)
+    if differences:
+        made_for = adapters.calibration.get("model", "another model")
+        raise ModelFormatError(
+            f"{path} holds exit adapters calibrated for {made_for}, not this model: "
+            f"{'; '.join(differences)}. Recalibrate with `delspec calibrate`."
+        )
+    return adapters
+
+
+def _differences(adapters: ExitAdapters, model: Transformer) -> list[str]:
+    """How the model `adapters` were made for differs from `model` (empty: none)."""
+    identity, probes = fingerprint(model)
+    found = [
+        f"{label} {adapters.identity[key]} (model: {identity[key]})"
+        for key, label in _IDENTITY.items()
+        if adapters.identity[key] != identity[key]
+    ]
+    if found:
+        return found
+    for name, mine in probes.items():
+        theirs = adapters.probes.get(name)
+        if theirs is None or theirs.shape != mine.shape:
+            found.append(f"{name.replace('_', ' ')} weights are missing or of another shape")
+            continue
+        scale = float(mine.abs().max().clamp_min(1e-6))
+        difference = float((theirs - mine).abs().max()) / scale
+        if difference > _PROBE_TOLERANCE:
+            found.append(
+                f"{name.replace('_', ' ')} weights differ (max relative difference "
+                f"{difference:.3g})"
+            )
+    return found
+
+
+def default_adapters_path(lm: LoadedModel) -> Path:
+    """Where `lm`'s adapters are looked for and written by default.
+
+    Next to the model: `<file stem or directory>.adapters.safetensors`; for a named model,
+    whose file lives inside a Python package, in the delspec cache (`cache_dir()/adapters`).
+    """
+    source = Path(lm.source)
+    if _is_named_model(source):
+        return cache_dir() / "adapters" / (source.stem + SUFFIX)
+    if source.is_dir():
+        return source.parent / (source.name + SUFFIX)
+    return source.with_name(source.stem + SUFFIX)
+
+
+def _is_named_model(source: Path) -> bool:
+    for name in NAMED_MODELS:
+        try:
+            if named_model_path(name).resolve() == source.resolve():
+                return True
+        except ModelFormatError:  # not installed
+            continue
+    return False
+
+
+def find_adapters(lm: LoadedModel) -> Path | None:
+    """`default_adapters_path(lm)` if that file exists."""
+    if not Path(lm.source).exists():  # built in memory
+        return None
+    path = default_adapters_path(lm)
+    return path if path.is_file() else None
+
+
+def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
+    """A token ranking without calibration data: tokenizer scores, else token id order.
+
+    A GGUF file's `tokenizer.ggml.scores` (SentencePiece: unigram log-probabilities, or minus
+    the merge rank for BPE vocabularies such as Gemma's) rank tokens by descending score, ties
+    by id. Otherwise ids are taken in order, which follows the merge order (a frequency proxy)
+    for byte-level BPE vocabularies such as SmolLM2's. Model rows beyond the tokenizer come last.
+    """
+    scores = _gguf_scores(Path(source))
+    if scores is None:
+        return torch.arange(vocab_size)
+    scores = scores[:vocab_size]
+    order = torch.from_numpy(np.argsort(-scores, kind="stable")).long()
+    return torch.cat([order, torch.arange(len(scores), vocab_size)])
+
+
+def _gguf_scores(path: Path) -> np.ndarray | None:
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return None
+    try:
+        field_ = gguf.GGUFReader(path).fields.get("tokenizer.ggml.scores")
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"cannot read the tokenizer scores of {path}: {exc}") from exc
+    if field_ is None:
+        return None
+    scores = np.array([field_.parts[i][0] for i in field_.data], dtype=np.float64)
+    return None if np.unique(scores).size < 2 else scores
+
+
+def top_tokens(ranking: Tensor, k: int) -> Tensor:
+    """The `k` highest-ranked token ids, ascending (so that ties break as in the full head)."""
+    if not 1 <= k <= len(ranking):
+        raise ConfigError(f"draft vocabulary must be in 1..{len(ranking)} tokens, got {k}")
+    return ranking[:k].sort().values
+
+
+class DraftHead(ExitHead):
+    """An exit head with per-layer adapters and/or a pruned vocabulary `vocab` (token ids).
+
+    Only drafts and shadow tokens go through it: the engine verifies with `model.head`, the
+    full unadapted head. Layers without an adapter use the plain final norm + head.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        adapters: ExitAdapters | None = None,
+        vocab: Tensor | None = None,
+    ) -> None:
+        super().__init__(model)
+        device, dtype = model.device, model.dtype
+        weight = model.lm_head.weight
+        self.vocab = None if vocab is None else vocab.to(device)
+        self.weight = weight if vocab is None else weight[self.vocab].contiguous()
+        self.adapted: frozenset[int] = frozenset()
+        if adapters is not None and adapters.layers:
+            num_layers, rank, hidden = model.num_layers, adapters.rank, model.config.hidden_size
+            self.down = torch.zeros(num_layers, rank, hidden, dtype=dtype, device=device)
+            self.up = torch.zeros(num_layers, hidden, rank, dtype=dtype, device=device)
+            index = torch.tensor(adapters.layers, device=device)
+            self.down[index] = adapters.down.to(device, dtype)
+            self.up[index] = adapters.up.to(device, dtype)
+            self.adapted = frozenset(adapters.layers)
+        self._stack: tuple[list[int], Tensor, Tensor] | None = None
+
+    def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
+        n = self.model.norm(h)
+        if exit_layer in self.adapted:
+            n = n + (n @ self.down[exit_layer].T) @ self.up[exit_layer].T
+        return self.model.project(n, self.weight)
+
+    def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
+        n = self.model.norm(hidden)
+        if self.adapted.intersection(exit_layers):
+            down, up = self._stacked(exit_layers)
+            n = n + torch.bmm(torch.bmm(n, down), up)
+        return self.model.project(n, self.weight)
+
+    def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
+        """The listed layers' adapters as `[layers, hidden, rank]`, `[layers, rank, hidden]`."""
+        if self._stack is None or self._stack[0] != exit_layers:
+            index = torch.tensor(exit_layers, device=self.down.device)
+            down = self.down[index].transpose(1, 2).contiguous()
+            up = self.up[index].transpose(1, 2).contiguous()
+            self._stack = (list(exit_layers), down, up)
+        return self._stack[1], self._stack[2]
+
+
+def draft_head(
+    lm: LoadedModel, adapters: AdapterSource = "auto", draft_vocab: int | None = None
+) -> ExitHead:
+    """The exit head `generate` drafts with.
+
+    `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
+    a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
+    adapters file's ranking, else `fallback_ranking`). Without either, the plain `ExitHead`.
+    Heads built from files are cached (keyed by the file's path, size and modification time).
+    """
+    if isinstance(adapters, ExitAdapters):
+        vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)
+        return DraftHead(lm.model, adapters, vocab)
+    path = None
+    if adapters == "auto":
+        path = find_adapters(lm)
+    elif adapters is not None:
+        path = Path(adapters)
+    if path is None and draft_vocab is None:
+        return ExitHead(lm.model)
+    stamp = None
+    if path is not None:
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
+        stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return _cached_head(lm.model, lm.source, stamp, draft_vocab)
+
+
+@functools.lru_cache(maxsize=4)  # holds up to four models alive
+def _cached_head(
+    model: Transformer, source: str, stamp: tuple[str, int, int] | None, k: int | None
+) -> DraftHead:
+    adapters = None if stamp is None else load_adapters(stamp[0], model)
+    vocab = None
+    if k is not None:
+        if adapters is not None:
+            ranking = adapters.ranking
+        else:
+            ranking = fallback_ranking(source, model.config.vocab_size)
+        vocab = top_tokens(ranking, k)
+    return DraftHead(model, adapters, vocab)

@@ -1,0 +1,331 @@
+"""Calibrating exit adapters by self-distillation on the model's own generations.
+
+`calibrate` lets the model continue a set of prompts (by default the built-in
+`calibration_prompts.PROMPTS`), runs every sequence once through all layers collecting each
+layer's states, and trains each exit layer's adapter (see `delspec.adapters`) to predict the
+final layer's next-token distribution: cross-entropy against the final distribution truncated
+to its `TEACHER_TOP` most likely tokens (the KL divergence up to a constant), over the full
+vocabulary of the student. Every sixth sequence is held out; per-layer top-1 agreement with the
+final layer and the full KL divergence on those, before and after, are recorded. The final
+layer's tokens over all sequences also give the token-frequency ranking for pruned draft heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from delspec.adapters import ExitAdapters, fallback_ranking, fingerprint
+from delspec.calibration_prompts import PROMPTS
+from delspec.errors import ConfigError
+from delspec.generate import generate
+from delspec.loading import LoadedModel
+from delspec.model import Transformer
+
+Prompt = tuple[str, bool]  # (text, whether to send it through the chat template)
+TEACHER_TOP = 64  # final-layer tokens kept per position as the distillation target
+HOLDOUT_EVERY = 6  # every sixth sequence is held out for the agreement table
+_CHUNK = 512  # positions per head evaluation outside training
+
+
+@dataclass
+class LayerReport:
+    """Held-out quality of one exit layer: top-1 agreement with the final layer, mean KL."""
+
+    layer: int
+    agreement_before: float
+    agreement_after: float
+    kl_before: float
+    kl_after: float
+
+
+def read_prompts(path: str | os.PathLike) -> list[Prompt]:
+    """Prompts from a file: `.jsonl` lines are a JSON string or `{"prompt": ..., "chat": ...}`
+    (chat defaults to true), any other file holds one plain-text prompt per non-empty line."""
+    path = Path(path)
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts file {path}: {exc}") from exc
+    if path.suffix.lower() != ".jsonl":
+        return [(line, False) for line in lines]
+    prompts: list[Prompt] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc})") from exc
+        if isinstance(entry, str):
+            prompts.append((entry, True))
+        elif isinstance(entry, dict) and isinstance(entry.get("prompt"), str):
+            prompts.append((entry["prompt"], bool(entry.get("chat", True))))
+        else:
+            raise ConfigError(f'{path}:{number}: expected a string or {{"prompt": ...}}')
+    return prompts
+
+
+def calibrate(
+    lm: LoadedModel,
+    prompts: Sequence[Prompt] | None = None,
+    *,
+    max_new_tokens: int = 96,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    **options: Any,
+) -> ExitAdapters:
+    """Calibrate exit adapters for `lm` on its continuations of `prompts` (default: built-in).
+
+    The model continues each prompt with `max_new_tokens` tokens (greedy, or sampled at
+    `temperature` with seeds from `seed`); `options` go to `fit_adapters` (layers, rank,
+    steps, batch_size, lr). Needs at least `HOLDOUT_EVERY` prompts.
+    """
+    prompts = list(PROMPTS if prompts is None else prompts)
+    if len(prompts) < HOLDOUT_EVERY:
+        raise ConfigError(f"calibration needs at least {HOLDOUT_EVERY} prompts, got {len(prompts)}")
+    start = time.perf_counter()
+    sequences = _continuations(lm, prompts, max_new_tokens, temperature, seed, progress)
+    generate_s = time.perf_counter() - start
+    fallback = fallback_ranking(lm.source, lm.model.config.vocab_size)
+    adapters = fit_adapters(
+        lm.model, sequences, fallback=fallback, seed=seed, progress=progress, **options
+    )
+    adapters.calibration = {
+        "model": lm.name,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "generate_s": round(generate_s, 1),
+        **adapters.calibration,
+    }
+    return adapters
+
+
+def fit_adapters(
+    model: Transformer,
+    sequences: Sequence[Sequence[int]],
+    *,
+    layers: Sequence[int] | None = None,
+    rank: int = 64,
+    steps: int = 150,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    seed: int = 0,
+    fallback: Tensor | None = None,
+    progress: bool = False,
+) -> ExitAdapters:
+    """Train adapters for exit `layers` (default: all, 1..L-1) on token `sequences`.
+
+    Every `HOLDOUT_EVERY`-th sequence is held out. Each adapter gets `steps` Adam steps on
+    mini-batches of `batch_size` positions. The ranking orders tokens by how often the final
+    layer predicts them, ties in `fallback` order (default: token ids). The result's
+    `calibration` holds the settings, the training time, and the held-out `LayerReport`s
+    under "layers".
+    """
+    exit_layers = sorted(set(range(1, model.num_layers) if layers is None else layers))
+    _check(model, len(sequences), exit_layers, rank, steps, batch_size)
+    vocab_size = model.config.vocab_size
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    weight = model.lm_head.weight.detach().float()
+    split: tuple[list, list] = ([], [])  # (training, held out)
+    for i, sequence in enumerate(sequences):
+        split[i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1].append(sequence)
+    train_set, held_set = (_collect(model, weight, part, exit_layers) for part in split)
+    bar = tqdm(
+        total=len(exit_layers) * steps, desc="training adapters", unit="step", disable=not progress
+    )
+    with bar:
+        trained = [
+            _train(model, weight, train_set, layer, rank, steps, batch_size, lr, generator, bar)
+            for layer in exit_layers
+        ]
+    down = torch.stack([d for d, _ in trained])
+    up = torch.stack([u for _, u in trained])
+    reports = _evaluate(model, weight, held_set, exit_layers, down, up)
+    tokens = torch.cat([train_set.teacher_ids[:, 0], held_set.teacher_ids[:, 0]]).cpu()
+    counts = torch.bincount(tokens, minlength=vocab_size)
+    ranking = _ranking(counts, torch.arange(vocab_size) if fallback is None else fallback)
+    identity, probes = fingerprint(model)
+    calibration = {
+        "sequences": len(sequences),
+        "train_positions": len(train_set.teacher_ids),
+        "heldout_positions": len(held_set.teacher_ids),
+        "rank": rank,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "train_s": round(time.perf_counter() - start, 1),
+        "layers": [asdict(r) for r in reports],
+    }
+    return ExitAdapters(exit_layers, down.cpu(), up.cpu(), ranking, identity, probes, calibration)
+
+
+def _check(
+    model: Transformer, sequences: int, layers: list[int], rank: int, steps: int, batch_size: int
+) -> None:
+    if sequences < HOLDOUT_EVERY:
+        raise ConfigError(f"calibration needs at least {HOLDOUT_EVERY} sequences, got {sequences}")
+    bad = [e for e in layers if not 1 <= e < model.num_layers]
+    if bad:
+        raise ConfigError(f"exit layers must be in 1..{model.num_layers - 1}, got {bad}")
+    if not 1 <= rank <= model.config.hidden_size:
+        raise ConfigError(f"rank must be in 1..{model.config.hidden_size}, got {rank}")
+    if steps < 1 or batch_size < 1:
+        raise ConfigError(f"steps and batch size must be >= 1, got {steps}, {batch_size}")
+
+
+def _continuations(
+    lm: LoadedModel,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    progress: bool,
+) -> list[list[int]]:
+    """Each prompt's token ids followed by the model's continuation."""
+    sequences = []
+    for i, (text, chat) in enumerate(tqdm(prompts, desc="generating", disable=not progress)):
+        if chat and lm.tokenizer.chat_template:
+            template = lm.apply_chat_template([{"role": "user", "content": text}])
+            ids = lm.tokenizer.encode(template, add_special_tokens=False)
+        else:
+            ids = lm.tokenizer.encode(text)
+        result = generate(
+            lm,
+            ids,
+            strategy="ar",
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + i,
+            adapters=None,  # a stale sidecar must not stop its own recalibration
+        )
+        sequences.append(ids + result.token_ids)
+    return sequences
+
+
+@dataclass
+class _Positions:
+    """Training or evaluation data: normalised states per exit layer and final-layer targets."""
+
+    states: dict[int, Tensor]  # exit layer -> norm(h) [positions, hidden], float32
+    final: Tensor  # norm(h) of the last layer [positions, hidden], float32
+    teacher_probs: Tensor  # [positions, TEACHER_TOP], renormalised
+    teacher_ids: Tensor  # [positions, TEACHER_TOP], most likely first
+
+
+@torch.inference_mode()  # the KV cache may be an inference tensor
+def _collect(
+    model: Transformer, weight: Tensor, sequences: Sequence[Sequence[int]], layers: list[int]
+) -> _Positions:
+    """Run each sequence once through every layer and keep what training needs."""
+    states: dict[int, list[Tensor]] = {e: [] for e in layers}
+    final, probs, ids = [], [], []
+    for sequence in sequences:
+        model.setup_cache(len(sequence))
+        hidden: list[Tensor] = []
+        tokens = torch.tensor(sequence, device=model.device)
+        model.run_layers(model.embed(tokens), 0, 0, model.num_layers, hidden)
+        for e in layers:
+            states[e].append(model.norm(hidden[e - 1]).float())
+        n = model.norm(hidden[-1]).float()
+        final.append(n)
+        top = torch.log_softmax(model.project(n, weight), -1)
+        top = top.topk(min(TEACHER_TOP, top.shape[-1]), -1)
+        p = top.values.exp()
+        probs.append(p / p.sum(-1, keepdim=True))
+        ids.append(top.indices)
+    return _Positions(
+        {e: torch.cat(s) for e, s in states.items()},
+        torch.cat(final),
+        torch.cat(probs),
+        torch.cat(ids),
+    )
+
+
+def _train(
+    model: Transformer,
+    weight: Tensor,
+    data: _Positions,
+    layer: int,
+    rank: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+    bar: tqdm,
+) -> tuple[Tensor, Tensor]:
+    """One exit layer's adapter `(down [rank, hidden], up [hidden, rank])`, float32."""
+    states = data.states[layer]
+    positions, hidden = states.shape
+    device = states.device
+    down = torch.randn(rank, hidden, generator=generator).div_(math.sqrt(hidden)).to(device)
+    up = torch.zeros(hidden, rank, device=device)
+    down.requires_grad_(True)
+    up.requires_grad_(True)
+    optimizer = torch.optim.Adam([down, up], lr=lr)
+    batches = _batches(positions, batch_size, generator)
+    for _ in range(steps):
+        index = next(batches).to(device)
+        n = states[index]
+        logits = model.project(n + (n @ down.T) @ up.T, weight)
+        target = torch.log_softmax(logits, -1).gather(1, data.teacher_ids[index])
+        loss = -(data.teacher_probs[index] * target).sum(-1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        bar.update()
+    return down.detach(), up.detach()
+
+
+def _batches(positions: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
+    """Endless mini-batches of position indices: shuffled epochs, without replacement."""
+    while True:
+        yield from torch.randperm(positions, generator=generator).split(batch_size)
+
+
+@torch.no_grad()
+def _evaluate(
+    model: Transformer,
+    weight: Tensor,
+    data: _Positions,
+    layers: list[int],
+    down: Tensor,
+    up: Tensor,
+) -> list[LayerReport]:
+    """Held-out top-1 agreement and mean KL(final || exit) per layer, without and with adapters."""
+    totals = torch.zeros(len(layers), 4, dtype=torch.float64)
+    positions = len(data.final)
+    for chunk in torch.arange(positions).split(_CHUNK):
+        teacher = torch.log_softmax(model.project(data.final[chunk], weight), -1)
+        teacher_probs, target = teacher.exp(), teacher.argmax(-1)
+        for row, layer in enumerate(layers):
+            n = data.states[layer][chunk]
+            for column, state in ((0, n), (1, n + (n @ down[row].T) @ up[row].T)):
+                student = torch.log_softmax(model.project(state, weight), -1)
+                agree = (student.argmax(-1) == target).sum()
+                kl = (teacher_probs * (teacher - student)).sum()
+                totals[row, column] += float(agree)
+                totals[row, column + 2] += float(kl)
+    totals /= max(positions, 1)
+    return [
+        LayerReport(layer, *(round(float(v), 4) for v in totals[row]))
+        for row, layer in enumerate(layers)
+    ]
+
+
+def _ranking(counts: Tensor, fallback: Tensor) -> Tensor:
+    """Token ids by descending count, ties in `fallback` order."""
+    order = torch.sort(counts[fallback], descending=True, stable=True).indices
+    return fallback[order]

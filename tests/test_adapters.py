@@ -1,0 +1,232 @@
+"""Exit adapters: training, the sidecar file, and drafting with them stays lossless."""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from delspec.adapters import (
+    DraftHead,
+    ExitAdapters,
+    default_adapters_path,
+    draft_head,
+    fallback_ranking,
+    load_adapters,
+    save_adapters,
+    top_tokens,
+)
+from delspec.calibration import fit_adapters, read_prompts
+from delspec.engine import ExitHead
+from delspec.errors import ConfigError, ModelFormatError
+from delspec.generate import decode_tokens
+from delspec.loading import LoadedModel
+from delspec.policies import STRATEGIES, make_policy
+from delspec.sampling import Sampling
+
+OPTIONS = {
+    "static": dict(exit_layer=2, draft_length=4),
+    "fs": dict(exit_layer=3, draft_length=2),
+    "dv": dict(exit_layer=2),
+}
+DRAFTING = sorted(set(STRATEGIES) - {"ar"})
+VOCAB = 64
+
+
+def sequences(count: int = 12, length: int = 48) -> list[list[int]]:
+    """Random token sequences: self-distillation needs no particular text."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, VOCAB, (count, length), generator=gen).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Layers 1-2 are poor exits, later ones good ones (small residual updates after layer 3)."""
+    return tiny_model(seed=0, shallow=3, residual_scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def data() -> list[list[int]]:
+    return sequences()
+
+
+@pytest.fixture(scope="module")
+def adapters(model, data) -> ExitAdapters:
+    return fit_adapters(model, data, rank=8, steps=120, lr=1e-2)
+
+
+def test_adapters_improve_held_out_agreement_and_kl(adapters):
+    rows = adapters.calibration["layers"]
+    assert [r["layer"] for r in rows] == adapters.layers == [1, 2, 3, 4, 5]
+    assert all(r["kl_after"] < r["kl_before"] for r in rows), rows
+    before = sum(r["agreement_before"] for r in rows)
+    assert sum(r["agreement_after"] for r in rows) > before + 0.3, rows
+    assert adapters.down.shape == (5, 8, 32) and adapters.up.shape == (5, 32, 8)
+
+
+def test_ranking_orders_tokens_by_final_layer_frequency(model, data, adapters):
+    ranking = adapters.ranking
+    assert sorted(ranking.tolist()) == list(range(VOCAB))
+    with torch.inference_mode():
+        finals = []
+        for seq in data:
+            model.setup_cache(len(seq))
+            finals.append(model(torch.tensor(seq)).argmax(-1))
+    counts = torch.bincount(torch.cat(finals), minlength=VOCAB)
+    assert counts[ranking].tolist() == sorted(counts.tolist(), reverse=True)
+    unseen = ranking[counts[ranking] == 0].tolist()
+    assert unseen == sorted(unseen)  # ties in fallback (id) order
+
+
+def test_file_round_trip_is_bit_exact(model, adapters, tmp_path):
+    path = save_adapters(adapters, tmp_path / "a.adapters.safetensors")
+    loaded = load_adapters(path, model)
+    assert loaded.layers == adapters.layers
+    for name in ("down", "up", "ranking"):
+        a, b = getattr(adapters, name), getattr(loaded, name)
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert loaded.identity == adapters.identity
+    assert loaded.probes.keys() == adapters.probes.keys()
+    assert all(torch.equal(loaded.probes[k], v) for k, v in adapters.probes.items())
+    assert loaded.calibration == adapters.calibration
+
+
+def test_same_checkpoint_in_another_dtype_is_accepted(model, adapters, tmp_path):
+    path = save_adapters(adapters, tmp_path / "a.safetensors")
+    load_adapters(path, copy.deepcopy(model).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "other,message",
+    [
+        (dict(seed=1), "final norm weights differ|embedding weights differ"),
+        (dict(num_layers=4), "layers 6 \\(model: 4\\)"),
+        (dict(vocab_size=80), "vocabulary size 64 \\(model: 80\\)"),
+    ],
+)
+def test_another_models_file_is_refused(adapters, tmp_path, other, message):
+    path = save_adapters(adapters, tmp_path / "a.safetensors")
+    with pytest.raises(ModelFormatError, match=message) as info:
+        load_adapters(path, tiny_model(**other))
+    assert str(path) in str(info.value) and "delspec calibrate" in str(info.value)
+
+
+def test_other_files_are_refused(model, tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelFormatError, match="cannot read adapters file"):
+        load_adapters(junk, model)
+    with pytest.raises(ModelFormatError, match="cannot read adapters file"):
+        load_adapters(tmp_path / "missing.safetensors", model)
+
+
+def test_pruned_head_columns_are_the_kept_tokens(model, adapters):
+    vocab = top_tokens(adapters.ranking, 20)
+    assert vocab.tolist() == sorted(adapters.ranking[:20].tolist())
+    h = torch.randn(7, 32, dtype=model.dtype)
+    hidden = torch.randn(3, 5, 32, dtype=model.dtype)
+    layers = [1, 3, 5]
+    for source in (None, adapters):
+        full, pruned = DraftHead(model, source), DraftHead(model, source, vocab)
+        assert pruned.vocab.tolist() == vocab.tolist() and full.vocab is None
+        for layer in layers:
+            torch.testing.assert_close(pruned(h, layer), full(h, layer)[:, vocab])
+        shadow = full.shadow(hidden, layers)
+        torch.testing.assert_close(pruned.shadow(hidden, layers), shadow[..., vocab])
+        for row, layer in enumerate(layers):
+            torch.testing.assert_close(shadow[row], full(hidden[row], layer))
+    plain = ExitHead(model)
+    torch.testing.assert_close(DraftHead(model)(h, 2), plain(h, 2))
+    assert not torch.allclose(DraftHead(model, adapters)(h, 2), plain(h, 2))
+
+
+def test_draft_vocabulary_bounds():
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        top_tokens(torch.arange(VOCAB), 0)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        top_tokens(torch.arange(VOCAB), VOCAB + 1)
+
+
+@pytest.mark.parametrize("strategy", DRAFTING)
+def test_drafting_with_adapters_and_pruned_vocab_is_lossless(model, adapters, strategy):
+    head = DraftHead(model, adapters, top_tokens(adapters.ranking, 24))
+    gen = torch.Generator().manual_seed(7)
+    drafted = accepted = 0
+    for prompt_len, max_new in [(1, 9), (6, 33), (30, 20)]:
+        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
+        ar = make_policy("ar", model.num_layers)
+        expected = decode_tokens(model, prompt, ar, max_new_tokens=max_new)
+        policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
+        got = decode_tokens(model, prompt, policy, max_new_tokens=max_new, exit_head=head)
+        assert got.token_ids == expected.token_ids, (strategy, prompt_len)
+        drafted += got.stats.drafted
+        accepted += got.stats.accepted
+    assert drafted and accepted
+
+
+@pytest.mark.parametrize("strategy", DRAFTING)
+def test_sampling_with_a_draft_head_runs(model, adapters, strategy):
+    head = DraftHead(model, adapters, top_tokens(adapters.ranking, 16))
+    policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
+    sampling = Sampling(temperature=1.0, top_p=0.9, seed=3)
+    out = decode_tokens(
+        model, [1, 2, 3], policy, sampling=sampling, max_new_tokens=25, exit_head=head
+    )
+    assert len(out.token_ids) == 25 and all(0 <= t < VOCAB for t in out.token_ids)
+
+
+def fake_lm(model, source) -> LoadedModel:
+    return LoadedModel(model, None, "tiny", str(source), ())
+
+
+def test_draft_head_finds_the_sidecar_next_to_the_model(model, adapters, tmp_path):
+    directory = tmp_path / "tiny-model"
+    directory.mkdir()
+    lm = fake_lm(model, directory)
+    assert default_adapters_path(lm) == tmp_path / "tiny-model.adapters.safetensors"
+    assert type(draft_head(lm)) is ExitHead  # nothing to apply
+    save_adapters(adapters, default_adapters_path(lm))
+    head = draft_head(lm)
+    assert isinstance(head, DraftHead) and head.adapted == set(adapters.layers)
+    assert draft_head(lm) is head  # cached
+    assert type(draft_head(lm, adapters=None)) is ExitHead
+    pruned = draft_head(lm, draft_vocab=10)
+    assert pruned.vocab.tolist() == sorted(adapters.ranking[:10].tolist())
+    gguf_lm = fake_lm(model, tmp_path / "m.gguf")
+    assert default_adapters_path(gguf_lm) == tmp_path / "m.adapters.safetensors"
+
+
+def test_draft_head_refuses_a_mismatched_file(adapters, tmp_path):
+    path = save_adapters(adapters, tmp_path / "a.safetensors")
+    lm = fake_lm(tiny_model(seed=5), tmp_path)
+    with pytest.raises(ModelFormatError, match="not this model"):
+        draft_head(lm, adapters=path)
+
+
+def test_fallback_ranking_uses_gguf_scores(tmp_path):
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list([f"t{i}" for i in range(6)])
+    writer.add_token_scores([-5.0, -1.0, -3.0, -1.0, 0.0, -2.0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert fallback_ranking(path, 8).tolist() == [4, 1, 3, 5, 2, 0, 6, 7]
+    assert fallback_ranking(tmp_path, 5).tolist() == [0, 1, 2, 3, 4]
+    assert fallback_ranking(tmp_path / "missing.gguf", 3).tolist() == [0, 1, 2]
+
+
+def test_prompt_files(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert read_prompts(text) == [("first prompt", False), ("second prompt", False)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('"a question"\n{"prompt": "def f():", "chat": false}\n')
+    assert read_prompts(jsonl) == [("a question", True), ("def f():", False)]
+    jsonl.write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"p\.jsonl:1"):
+        read_prompts(jsonl)

@@ -1,0 +1,303 @@
+"""`delspec bench` end to end on a tiny random model: files, table, plots, losslessness, CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.image import imread
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from delspec.bench.backends import BACKENDS, DelspecBackend, Generate, Output
+from delspec.bench.methods import METHODS, MethodSpec, parse_methods
+from delspec.bench.metrics import first_divergence
+from delspec.bench.tasks import TASKS
+from delspec.cli import main
+from delspec.errors import ConfigError
+from delspec.loading import converted_checkpoint, default_model_path
+
+LAYERS = 6
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ECONOMIZE = importlib.util.find_spec("economize") is not None
+METHODS_ARG = "ar,del,static:E=2,d=3,static-sweep:E=2/4,d=2/4,calibration=1,hf,hf-early-exit:E=2"
+if ECONOMIZE:
+    METHODS_ARG += ",economize-early-exit:E=2,d=3"
+LABELS = [
+    "ar",
+    "del",
+    "static:E=2,d=3",
+    "static-sweep:E=2/4,d=2/4,calibration=1",
+    "hf",
+    "hf-early-exit:E=2",
+] + (["economize-early-exit:E=2,d=3"] if ECONOMIZE else [])
+OWN = LABELS[:4]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved by transformers. Layers 2.. barely
+    change the residual stream, so early exits agree with the full model and drafts get accepted.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(converted_checkpoint(default_model_path()))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)  # peaked logits: no near-ties
+        for layer in model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    directory = tmp_path_factory.mktemp("bench") / "tiny-smollm2"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def bench(model: Path, out: Path, *options: str) -> int:
+    common = ["--model", str(model), "--threads", "1", "--max-new-tokens", "12", "--out", str(out)]
+    return main(["bench", *common, *options])
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    """Every task, 2 prompts each, our methods, a static sweep and the transformers peers."""
+    out = tmp_path_factory.mktemp("bench-out")
+    return bench(tiny_dir, out, "--num-samples", "2", "--methods", METHODS_ARG), out
+
+
+@pytest.fixture(scope="module")
+def results(run: tuple[int, Path]) -> dict:
+    return json.loads((run[1] / "results.json").read_text())
+
+
+def test_run_succeeds_and_writes_every_file(run):
+    code, out = run
+    assert code == 0
+    names = {p.name for p in out.iterdir()}
+    expected = {"results.json", "summary.json", "table.md", "speedup.png"}
+    assert expected | {"exit_layer_trace.png", "alpha_heatmap.png"} == names
+
+
+def test_results_json(results):
+    tasks = list(TASKS)
+    assert (
+        results["settings"] | {"tasks": tasks, "num_samples": 2, "seed": 42} == results["settings"]
+    )
+    assert results["settings"]["calibration_held_out"] is True
+    env = results["environment"]
+    assert {"torch", "threads", "cpu", "date", "command"} <= set(env)
+    assert env["threads"] == 1 and "bench" in env["command"]
+    assert list(results["methods"]) == LABELS
+    assert results["methods"]["hf"]["peer"] and not results["methods"]["del"]["peer"]
+    records = results["records"]
+    assert len(records) == len(tasks) * 2 * len(LABELS)
+    for record in records:
+        assert record["new_tokens"] == 12  # a random model never says EOS here
+        assert record["wall_s"] > 0 and record["tokens_per_s"] > 0
+        assert (record["stats"] is None) == results["methods"][record["method"]]["peer"]
+    assert set(results["aggregates"]) == {*tasks, "overall"}
+    for group in results["aggregates"].values():
+        assert list(group) == LABELS
+        assert group["ar"]["speedup"] == 1.0 and group["ar"]["etpl"] == pytest.approx(
+            1 / LAYERS, abs=1e-5
+        )
+        assert group["del"]["acceptance_rate"] > 0.5  # the tiny model's early exits agree
+        assert group["hf"]["etpl"] is None
+
+
+def test_methods_are_interleaved_in_rotated_order(results):
+    turns: dict[str, set[int]] = {}
+    by_prompt: dict[tuple[str, str], list[int]] = {}
+    for r in results["records"]:
+        turns.setdefault(r["method"], set()).add(r["turn"])
+        by_prompt.setdefault((r["task"], r["prompt_id"]), []).append(r["turn"])
+    assert all(sorted(t) == list(range(len(LABELS))) for t in by_prompt.values())
+    assert all(t == set(range(len(LABELS))) for t in turns.values())  # 10 prompts > methods
+
+
+def test_static_sweep_picks_a_grid_setting_per_task(results):
+    sweeps = results["sweeps"]["static-sweep:E=2/4,d=2/4,calibration=1"]
+    assert list(sweeps) == list(TASKS)
+    for sweep in sweeps.values():
+        grid = [(row["exit_layer"], row["draft_length"]) for row in sweep["grid"]]
+        assert grid == [(2, 2), (2, 4), (4, 2), (4, 4)]
+        best = max(sweep["grid"], key=lambda row: row["tokens_per_s"])
+        assert sweep["chosen"] == {
+            "exit_layer": best["exit_layer"],
+            "draft_length": best["draft_length"],
+        }
+        assert sweep["calibration_prompts"] == 1
+
+
+def test_losslessness(results):
+    assert results["lossless"]["ok"] and not results["lossless"]["failures"]
+    records = results["records"]
+    assert all(r["lossless"] for r in records if r["method"] in OWN)
+    # float32 transformers matches delspec's float32 model on this model's peaked logits
+    assert results["lossless"]["peer_mismatches"] == []
+    assert all(r["first_divergence"] is None for r in records)
+
+
+def test_summary_json(run, results):
+    summary = json.loads((run[1] / "summary.json").read_text())
+    assert list(summary) == ["tiny-smollm2"]
+    (groups,) = summary.values()
+    assert list(groups) == [*TASKS, "overall"]
+    for group, methods in groups.items():
+        assert list(methods) == LABELS
+        for label, cell in methods.items():
+            assert set(cell) == {"speedup", "tokens_per_s", "lossless"}
+            assert cell["speedup"] == results["aggregates"][group][label]["speedup"]
+            assert cell["lossless"] is True
+
+
+def test_table_is_shaped_like_table_1(run):
+    table = (run[1] / "table.md").read_text()
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| Method |"))
+    assert header == "| Method | " + " | ".join(TASKS) + " | Speed (tok/s) | Overall |"
+    rows = lines[lines.index(header) + 2 : lines.index(header) + 2 + len(LABELS)]
+    cell = r"(\d\.\d{3}|–) / \d+\.\d\d×"
+    for label, row in zip(LABELS, rows, strict=True):
+        pattern = rf"\| {re.escape(label)} \| " + r" \| ".join([cell] * len(TASKS))
+        assert re.fullmatch(pattern + r" \| \d+\.\d\d \| \d+\.\d\d× \|", row), row
+    assert rows[0].endswith(" | 1.00× |") and "NOT LOSSLESS" not in table
+    assert "static-sweep:E=2/4,d=2/4,calibration=1` on humaneval: E=" in table
+
+
+def test_plots_are_valid_pngs(run):
+    for name in ("speedup.png", "exit_layer_trace.png", "alpha_heatmap.png"):
+        path = run[1] / name
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        image = imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_trace_of_a_del_prompt(results):
+    trace = results["trace"]
+    assert trace["method"] == "del" and trace["layers"] == list(range(1, LAYERS))
+    assert len(trace["rounds"]) > 1
+    assert all(len(entry["alpha"]) == LAYERS - 1 for entry in trace["rounds"])
+
+
+class CorruptBackend(DelspecBackend):
+    """delspec output with its last token changed: not lossless."""
+
+    def generator(self, strategy, options) -> Generate:
+        generate = super().generator(strategy, options)
+
+        def corrupt(prompt_ids: list[int], max_new_tokens: int) -> Output:
+            output = generate(prompt_ids, max_new_tokens)
+            output.token_ids[-1] += 1
+            return output
+
+        return corrupt
+
+
+@pytest.fixture
+def corrupt_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(BACKENDS, "corrupt", CorruptBackend)
+    monkeypatch.setitem(METHODS, "broken", MethodSpec("static", backend="corrupt"))
+    monkeypatch.setitem(METHODS, "broken-peer", MethodSpec("ar", backend="corrupt", peer=True))
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "The capital of France is", "id": "a"}, {"prompt": "def f(x):", "id": "b"}]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    return path
+
+
+def test_a_non_lossless_method_fails_the_run(
+    tiny_dir, tmp_path, prompts_file, corrupt_methods, capsys
+):
+    out = tmp_path / "out"
+    code = bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", "broken,broken-peer")
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "NOT LOSSLESS" in captured.err and "broken on custom/a differs" in captured.out
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["prompts_file"] == str(prompts_file)
+    lossless = results["lossless"]
+    assert not lossless["ok"]
+    assert {(f["method"], f["prompt_id"], f["first_divergence"]) for f in lossless["failures"]} == {
+        ("broken", "a", 11),
+        ("broken", "b", 11),
+    }
+    assert [m["method"] for m in lossless["peer_mismatches"]] == ["broken-peer"] * 2
+    assert "| broken (NOT LOSSLESS) |" in (out / "table.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tiny-smollm2"]["custom"]["broken"]["lossless"] is False
+
+
+def test_a_peer_mismatch_alone_does_not_fail_the_run(
+    tiny_dir, tmp_path, prompts_file, corrupt_methods
+):
+    out = tmp_path / "out"
+    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", "broken-peer") == 0
+    table = (out / "table.md").read_text()
+    assert "`broken-peer` on custom/a: first divergence from ar at token 11" in table
+    assert not (out / "alpha_heatmap.png").exists()  # no DEL method ran
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--methods", "ar,nope"], "unknown method 'nope'; choose from ar, del"),
+        (["--tasks", "gsm8k,nope"], "unknown task(s) nope; choose from humaneval"),
+        (["--methods", "del,del"], "method(s) given twice: del"),
+        (["--methods", "static:E"], "expected key=value, got 'E'"),
+        (["--tasks", "gsm8k", "--prompts", "x.jsonl"], "either tasks or a prompts file"),
+    ],
+)
+def test_cli_errors_come_before_loading_the_model(tmp_path, capsys, options, message):
+    assert bench(tmp_path / "no-such-model", tmp_path / "out", *options) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys):
+    code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", "static:E=99")
+    assert code == 2
+    assert "method 'static:E=99': exit layer must be in 1..5" in capsys.readouterr().err
+
+
+def test_parse_methods():
+    methods = parse_methods("del:omega=0.9,static:E=8,d=4,static-sweep:E=2/4,calibration=3")
+    assert [m.label for m in methods] == [
+        "ar",
+        "del:omega=0.9",
+        "static:E=8,d=4",
+        "static-sweep:E=2/4,calibration=3",
+    ]
+    assert [dict(m.options) for m in methods] == [
+        {},
+        {"omega": 0.9},
+        {"exit_layer": 8, "draft_length": 4},
+        {"exit_layer": [2, 4], "calibration": 3},
+    ]
+    assert methods[3].spec.sweep and methods[0].name == "ar"
+    with pytest.raises(ConfigError, match="comes before any method"):
+        parse_methods("E=3,del")
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
