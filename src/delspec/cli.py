@@ -278,17 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.set_defaults(func=cmd_serve)
 
+    from delspec.bench.methods import METHODS
+    from delspec.bench.tasks import TASKS
+
     bench = sub.add_parser("bench", help="benchmark methods on tasks (speed, eTPL, losslessness)")
     _model_arguments(bench)
-    bench.add_argument("--tasks", help="comma-separated tasks (default: all)")
+    bench.add_argument("--tasks", help=f"comma-separated, of: {', '.join(TASKS)} (default: all)")
     bench.add_argument("--prompts", type=Path, help="JSON Lines prompts file instead of tasks")
     bench.add_argument(
         "--methods",
         default="ar,static-sweep,fs,dv,del",
-        help="comma-separated methods, NAME or NAME:key=value,... (e.g. static:E=8,d=4); "
-        "ar is always included",
+        help="comma-separated methods, NAME or NAME:key=value,... (e.g. static:E=8,d=4), "
+        f"NAME one of: {', '.join(METHODS)}; ar is always included",
     )
-    bench.add_argument("--num-samples", type=int, default=10, help="prompts per task")
+    bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")

@@ -194,7 +194,9 @@ class Transformer(nn.Module):
             raise ContextLengthError(
                 f"{length} positions exceed the model's context of {cfg.max_position} tokens"
             )
-        if self.cache is not None and self.cache_length >= length:
+        reusable = self.cache is not None and self.cache_length >= length
+        # A cache made under torch.inference_mode cannot be written outside it (and vice versa).
+        if reusable and self.cache.is_inference() == torch.is_inference_mode_enabled():
             return
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, length, cfg.head_dim)
         self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

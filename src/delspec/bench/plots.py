@@ -14,6 +14,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from delspec.bench.methods import REFERENCE
 
@@ -56,6 +57,8 @@ def exit_trace_plot(trace: Mapping[str, Any], path: Path) -> Path:
     figure = _figure(8.0, 5.0)
     top, bottom = figure.subplots(2, 1, sharex=True)
     top.step(x, [e["exit_layer"] for e in rounds], where="mid", marker=".", linewidth=1)
+    top.set_ylim(-0.5, layers[-1] + 0.5)
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_ylabel("exit layer E")
     top.set_title(_trace_title(trace))
     bottom.plot(x, chosen_alpha, marker=".", linewidth=1, label="alpha of the chosen layer")

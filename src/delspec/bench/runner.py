@@ -33,6 +33,7 @@ SWEEP_EXIT_FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 3 / 4)  # of the model's layers
 SWEEP_DRAFT_LENGTHS = (2, 4, 6)
 SWEEP_CALIBRATION = 2  # calibration prompts per task
 SWEEP_GRID_KEYS = ("exit_layer", "draft_length")
+SWEEP_OPTIONS = (*SWEEP_GRID_KEYS, "calibration")  # consumed by the sweep, not the strategy
 WARMUP_TOKENS = 8
 
 _T = TypeVar("_T")
@@ -154,10 +155,6 @@ def run_bench(
         task: [lm.tokenizer.encode(p.text) for p in group]
         for task, group in prompt_set.calibration.items()
     }
-    backends: dict[str, Backend] = {}
-    for method in methods:
-        if method.spec.backend not in backends:
-            backends[method.spec.backend] = BACKENDS[method.spec.backend](lm)
     grids = {m.label: _sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not calibration.get(task) for task in tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
@@ -165,19 +162,32 @@ def run_bench(
     runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
     bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
 
+    backends: dict[str, Backend] = {}
+    candidates: dict[str, list[Generate]] = {}  # per method, per grid setting (else one)
+    for method in methods:
+        if method.spec.backend not in backends:
+            backends[method.spec.backend] = BACKENDS[method.spec.backend](lm)
+        backend = backends[method.spec.backend]
+        fixed = {k: v for k, v in method.options.items() if k not in SWEEP_OPTIONS}
+        options = (
+            [{**fixed, **setting} for setting in grids[method.label]]
+            if method.spec.sweep
+            else [method.options]
+        )
+        candidates[method.label] = [_generator(method, backend, o) for o in options]
+
     first = next(iter(encoded.values()))
-    generators: dict[str, dict[str, Generate]] = {}
+    generators: dict[str, dict[str, Generate]] = {}  # per method, per task
     sweeps: dict[str, dict[str, Any]] = {}
     for method in methods:
-        backend = backends[method.spec.backend]
-        if method.label in grids:
+        for generate in candidates[method.label]:
+            generate(first, min(WARMUP_TOKENS, max_new_tokens))
+        if method.spec.sweep:
             sweeps[method.label], generators[method.label] = _sweep(
-                method, backend, grids[method.label], tasks, calibration, max_new_tokens, bar
+                grids[method.label], candidates[method.label], calibration, max_new_tokens, bar
             )
         else:
-            generate = _generator(method, backend, method.options)
-            generate(first, min(WARMUP_TOKENS, max_new_tokens))
-            generators[method.label] = dict.fromkeys(tasks, generate)
+            generators[method.label] = dict.fromkeys(tasks, candidates[method.label][0])
 
     records: list[dict[str, Any]] = []
     traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
@@ -206,21 +216,23 @@ def run_bench(
             "warmup_tokens": WARMUP_TOKENS,
         },
         environment=environment,
-        methods={
-            m.label: {
-                "name": m.name,
-                "backend": m.spec.backend,
-                "strategy": m.spec.strategy,
-                "options": dict(m.options),
-                "peer": m.spec.peer,
-                "description": m.spec.description,
-            }
-            for m in methods
-        },
+        methods={m.label: _method_info(m) for m in methods},
         records=records,
         sweeps=sweeps,
         trace=_plotted_trace(methods, traced),
     )
+
+
+def _method_info(method: Method) -> dict[str, Any]:
+    spec = method.spec
+    return {
+        "name": method.name,
+        "backend": spec.backend,
+        "strategy": spec.strategy,
+        "options": dict(method.options),
+        "peer": spec.peer,
+        "description": spec.description,
+    }
 
 
 def _generator(method: Method, backend: Backend, options: Mapping[str, Any]) -> Generate:
@@ -243,39 +255,32 @@ def _sweep_grid(method: Method, num_layers: int) -> list[dict[str, int]]:
 
 
 def _sweep(
-    method: Method,
-    backend: Backend,
     grid: list[dict[str, int]],
-    tasks: list[str],
-    calibration: dict[str, list[list[int]]],
+    candidates: list[Generate],
+    calibration: Mapping[str, list[list[int]]],
     max_new_tokens: int,
     bar: tqdm,
 ) -> tuple[dict[str, Any], dict[str, Generate]]:
-    """Per task, the fastest grid setting (overall tokens/s on the calibration prompts) and its
-    generator; every setting is warmed up once and rejects bad options before any timing."""
-    fixed = {k: v for k, v in method.options.items() if k not in (*SWEEP_GRID_KEYS, "calibration")}
-    candidates = [_generator(method, backend, {**fixed, **setting}) for setting in grid]
-    warm = calibration[tasks[0]][0]
-    for generate in candidates:
-        generate(warm, min(WARMUP_TOKENS, max_new_tokens))
+    """Per task, the grid setting with the best overall tokens/s on the task's calibration
+    prompts (settings interleaved per prompt), with its generator."""
     report: dict[str, Any] = {}
     chosen: dict[str, Generate] = {}
-    for task in tasks:
+    for task, prompts in calibration.items():
         tokens = [0] * len(grid)
         seconds = [0.0] * len(grid)
-        for index, ids in enumerate(calibration[task]):
+        for index, ids in enumerate(prompts):
             for point in _rotated(range(len(grid)), index):
                 bar.set_postfix_str(f"sweep {task} {grid[point]}", refresh=False)
                 output, wall = timed(candidates[point], ids, max_new_tokens)
                 tokens[point] += len(output.token_ids)
                 seconds[point] += wall
                 bar.update()
-        speeds = [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds, strict=True)]
+        speeds = [t / s for t, s in zip(tokens, seconds, strict=True)]
         best = max(range(len(grid)), key=speeds.__getitem__)
         report[task] = {
             "chosen": grid[best],
             "grid": [{**p, "tokens_per_s": round(v, 3)} for p, v in zip(grid, speeds, strict=True)],
-            "calibration_prompts": len(calibration[task]),
+            "calibration_prompts": len(prompts),
         }
         chosen[task] = candidates[best]
     return report, chosen
