@@ -69,8 +69,8 @@ def main() -> None:
         assert ours(ids, n) == theirs(ids, n), "outputs differ"  # also the warm-up
         for _ in range(args.repeats):
             for name, fn in (("delspec", ours), ("transformers", theirs)):
-                full = timed(lambda fn=fn: fn(ids, n))
-                first = timed(lambda fn=fn: fn(ids, 1))
+                full = timed(lambda fn=fn, ids=ids: fn(ids, n))
+                first = timed(lambda fn=fn, ids=ids: fn(ids, 1))
                 per_token[name].append((full - first) / (n - 1) * 1000)
     ms = {k: statistics.median(v) for k, v in per_token.items()}
     ratios = [a / b for a, b in zip(per_token["delspec"], per_token["transformers"], strict=True)]

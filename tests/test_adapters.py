@@ -36,7 +36,7 @@ DRAFTING = sorted(set(STRATEGIES) - {"ar"})
 VOCAB = 64
 
 
-def sequences(count: int = 12, length: int = 48) -> list[list[int]]:
+def sequences(count: int = 18, length: int = 48) -> list[list[int]]:
     """Random token sequences: self-distillation needs no particular text."""
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, VOCAB, (count, length), generator=gen).tolist()
@@ -61,9 +61,9 @@ def adapters(model, data) -> ExitAdapters:
 def test_adapters_improve_held_out_agreement_and_kl(adapters):
     rows = adapters.calibration["layers"]
     assert [r["layer"] for r in rows] == adapters.layers == [1, 2, 3, 4, 5]
-    assert all(r["kl_after"] < r["kl_before"] for r in rows), rows
+    assert all(r["kl_after"] < 0.7 * r["kl_before"] for r in rows), rows
     before = sum(r["agreement_before"] for r in rows)
-    assert sum(r["agreement_after"] for r in rows) > before + 0.3, rows
+    assert sum(r["agreement_after"] for r in rows) > before + 0.1, rows
     assert adapters.down.shape == (5, 8, 32) and adapters.up.shape == (5, 32, 8)
 
 
