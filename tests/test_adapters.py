@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import gguf
 import pytest
 import torch
+from test_loading import save_hf_dir
 from tiny_models import tiny_model
 
 from delspec.adapters import (
@@ -20,6 +22,7 @@ from delspec.adapters import (
     top_tokens,
 )
 from delspec.calibration import fit_adapters, read_prompts
+from delspec.cli import main
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.generate import decode_tokens
@@ -55,6 +58,8 @@ def data() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adapters(model, data) -> ExitAdapters:
+    # Calibrating after decoding: the engine's KV cache (an inference tensor) is reused.
+    decode_tokens(model, [1], make_policy("ar", model.num_layers), max_new_tokens=60)
     return fit_adapters(model, data, rank=8, steps=120, lr=1e-2)
 
 
@@ -65,6 +70,13 @@ def test_adapters_improve_held_out_agreement_and_kl(adapters):
     before = sum(r["agreement_before"] for r in rows)
     assert sum(r["agreement_after"] for r in rows) > before + 0.1, rows
     assert adapters.down.shape == (5, 8, 32) and adapters.up.shape == (5, 32, 8)
+
+
+def test_shared_prefixes_are_counted_once(model):
+    prefix = [5] * 10  # e.g. a chat template's system prompt: the same states every time
+    data = [[*prefix, i, *s[:20]] for i, s in enumerate(sequences(12))]
+    info = fit_adapters(model, data, layers=[2], rank=4, steps=0).calibration
+    assert info["train_positions"] + info["heldout_positions"] == len(prefix) + 12 * 21
 
 
 def test_ranking_orders_tokens_by_final_layer_frequency(model, data, adapters):
@@ -230,3 +242,20 @@ def test_prompt_files(tmp_path):
     jsonl.write_text("[1, 2]\n")
     with pytest.raises(ConfigError, match=r"p\.jsonl:1"):
         read_prompts(jsonl)
+
+
+def test_cli_calibrates_and_generate_finds_the_file(tmp_path, capsys):
+    model_dir = save_hf_dir(tmp_path / "tiny-llama")  # two layers: exit layer 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["hello", "the cat", "once upon", "why", "def f", "one", "we"]))
+    calibrate = ["calibrate", str(model_dir), "--prompts", str(prompts), "--rank", "4"]
+    assert main([*calibrate, "--max-new-tokens", "12", "--steps", "3", "--layers", "1"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "tiny-llama.adapters.safetensors").is_file()
+    generate = ["generate", "hello", "--model", str(model_dir), "--json", "--max-new-tokens", "20"]
+    generate += ["--strategy", "static", "--exit-layer", "1"]
+    outputs = []
+    for extra in (["--adapters", "none"], ["--draft-vocab", "100"]):
+        assert main(generate + extra) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]

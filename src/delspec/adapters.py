@@ -37,13 +37,14 @@ _PROBE_ROWS = 16  # embedding (and untied LM head) rows kept in the fingerprint
 # Relative difference of fingerprint weights still taken as the same model: bfloat16 or float16
 # copies of one checkpoint differ by < 0.4%, another checkpoint or quantisation by far more.
 _PROBE_TOLERANCE = 1e-2
-# Model shapes a file must match, with how a mismatch names them.
+# Model config fields a file must match, with how a mismatch names them.
 _IDENTITY = {
     "family": "architecture",
     "num_layers": "layers",
     "hidden_size": "hidden size",
     "vocab_size": "vocabulary size",
 }
+_TENSORS = {"layers", "down", "up", "ranking"}
 
 
 @dataclass
@@ -80,7 +81,7 @@ def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
     dtype the checkpoint is loaded in.
     """
     cfg = model.config
-    identity = {k: str(v) for k, v in zip(_IDENTITY, _identity_values(model), strict=True)}
+    identity = {key: str(getattr(cfg, key)) for key in _IDENTITY}
     rows = torch.linspace(0, cfg.vocab_size - 1, _PROBE_ROWS).long().to(model.device)
     probes = {
         "final_norm": model.norm.weight,
@@ -90,11 +91,6 @@ def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
     if not cfg.tie_embeddings:
         probes["lm_head"] = model.lm_head.weight[rows]
     return identity, {k: v.detach().float().cpu().contiguous() for k, v in probes.items()}
-
-
-def _identity_values(model: Transformer) -> tuple[Any, ...]:
-    cfg = model.config
-    return cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
 
 
 def save_adapters(adapters: ExitAdapters, path: str | os.PathLike) -> Path:
@@ -115,8 +111,12 @@ def save_adapters(adapters: ExitAdapters, path: str | os.PathLike) -> Path:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, scratch, metadata)
-    scratch.replace(path)
+    try:
+        contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(contiguous, scratch, metadata)
+        scratch.replace(path)
+    finally:
+        scratch.unlink(missing_ok=True)
     return path
 
 
@@ -131,9 +131,10 @@ def load_adapters(path: str | os.PathLike, model: Transformer) -> ExitAdapters:
         with safe_open(path, "pt") as file:
             metadata = file.metadata() or {}
         tensors = load_file(path)
-    except (OSError, SafetensorError) as exc:
+        calibration = json.loads(metadata.get("calibration", "{}"))
+    except (OSError, ValueError, SafetensorError) as exc:
         raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") != FORMAT or not tensors.keys() >= _TENSORS:
         raise ModelFormatError(f"{path} is not a delspec adapters file")
     if metadata.get("version") != VERSION:
         raise ModelFormatError(
@@ -149,16 +150,21 @@ def load_adapters(path: str | os.PathLike, model: Transformer) -> ExitAdapters:
         ranking=tensors["ranking"],
         identity=identity,
         probes=probes,
-        calibration=json.loads(metadata.get("calibration", "{}")),
+        calibration=calibration,
     )
+    check_model(adapters, model, str(path))
+    return adapters
+
+
+def check_model(adapters: ExitAdapters, model: Transformer, name: str = "the adapters") -> None:
+    """Raise `ModelFormatError` naming what differs unless `adapters` were made for `model`."""
     differences = _differences(adapters, model)
     if differences:
         made_for = adapters.calibration.get("model", "another model")
         raise ModelFormatError(
-            f"{path} holds exit adapters calibrated for {made_for}, not this model: "
+            f"{name} holds exit adapters calibrated for {made_for}, not this model: "
             f"{'; '.join(differences)}. Recalibrate with `delspec calibrate`."
         )
-    return adapters
 
 
 def _differences(adapters: ExitAdapters, model: Transformer) -> list[str]:
@@ -297,7 +303,7 @@ class DraftHead(ExitHead):
         return self.model.project(n, self.weight)
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
-        """The listed layers' adapters as `[layers, hidden, rank]`, `[layers, rank, hidden]`."""
+        """The listed layers' adapters, transposed for `n @ down @ up` over a layer batch."""
         if self._stack is None or self._stack[0] != exit_layers:
             index = torch.tensor(exit_layers, device=self.down.device)
             down = self.down[index].transpose(1, 2).contiguous()
@@ -317,6 +323,7 @@ def draft_head(
     Heads built from files are cached (keyed by the file's path, size and modification time).
     """
     if isinstance(adapters, ExitAdapters):
+        check_model(adapters, lm.model)
         vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)
         return DraftHead(lm.model, adapters, vocab)
     path = None

@@ -44,6 +44,7 @@ Prompt = tuple[str, bool]  # (text, whether to send it through the chat template
 TEACHER_TOP = 64  # final-layer tokens kept per position as the distillation target
 HOLDOUT_EVERY = 6  # every sixth sequence is held out for the agreement table
 RIDGE = 1e-3  # ridge of the closed form, relative to the mean state energy
+EVAL_POSITIONS = 512  # held-out positions scored (evenly spaced): 2 head passes per layer each
 _CHUNK = 512  # positions per head evaluation outside training
 
 
@@ -87,7 +88,7 @@ def calibrate(
     lm: LoadedModel,
     prompts: Sequence[Prompt] | None = None,
     *,
-    max_new_tokens: int = 96,
+    max_new_tokens: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
@@ -147,9 +148,9 @@ def fit_adapters(
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     weight = model.lm_head.weight.detach().float()
-    split: tuple[list, list] = ([], [])  # (training, held out)
-    for i, sequence in enumerate(sequences):
-        split[i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1].append(sequence)
+    split: tuple[list, list] = ([], [])  # (training, held out): (sequence, first new position)
+    for i, item in enumerate(zip(sequences, _novel_starts(sequences), strict=True)):
+        split[i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1].append(item)
     train_set, held_set = (_collect(model, weight, part, exit_layers) for part in split)
     roots = _metric_roots(weight)
     bar = tqdm(exit_layers, desc="fitting adapters", unit="layer", disable=not progress)
@@ -167,7 +168,7 @@ def fit_adapters(
     calibration = {
         "sequences": len(sequences),
         "train_positions": len(train_set.teacher_ids),
-        "heldout_positions": len(held_set.teacher_ids),
+        "heldout_positions": min(len(held_set.teacher_ids), EVAL_POSITIONS),
         "rank": rank,
         "steps": steps,
         "batch_size": batch_size,
@@ -232,21 +233,41 @@ class _Positions:
     teacher_ids: Tensor  # [positions, TEACHER_TOP], most likely first
 
 
-@torch.inference_mode()  # the KV cache may be an inference tensor
+def _novel_starts(sequences: Sequence[Sequence[int]]) -> list[int]:
+    """Per sequence, the first position whose prefix no earlier sequence shares.
+
+    States depend only on the prefix, so positions before it (e.g. a chat template's system
+    prompt) repeat earlier ones and are left out.
+    """
+    return [
+        max((_common_prefix(sequence, other) for other in sequences[:i]), default=0)
+        for i, sequence in enumerate(sequences)
+    ]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    pairs = zip(a, b, strict=False)
+    return next((k for k, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
+
+
+@torch.inference_mode()  # as the engine: its KV cache is reused
 def _collect(
-    model: Transformer, weight: Tensor, sequences: Sequence[Sequence[int]], layers: list[int]
+    model: Transformer,
+    weight: Tensor,
+    sequences: list[tuple[Sequence[int], int]],
+    layers: list[int],
 ) -> _Positions:
-    """Run each sequence once through every layer and keep what training needs."""
+    """Run each `(sequence, start)` once through every layer; keep positions from `start` on."""
     states: dict[int, list[Tensor]] = {e: [] for e in layers}
     final, probs, ids = [], [], []
-    for sequence in sequences:
+    for sequence, start in sequences:
         model.setup_cache(len(sequence))
         hidden: list[Tensor] = []
         tokens = torch.tensor(sequence, device=model.device)
         model.run_layers(model.embed(tokens), 0, 0, model.num_layers, hidden)
         for e in layers:
-            states[e].append(model.norm(hidden[e - 1]).float())
-        n = model.norm(hidden[-1]).float()
+            states[e].append(model.norm(hidden[e - 1][start:]).float())
+        n = model.norm(hidden[-1][start:]).float()
         final.append(n)
         top = torch.log_softmax(model.project(n, weight), -1)
         top = top.topk(min(TEACHER_TOP, top.shape[-1]), -1)
@@ -282,9 +303,8 @@ def _closed_form(
     root, root_inv = roots
     x = states.double()
     gram = x.T @ x
-    ridge = gram + RIDGE * gram.diagonal().mean() * torch.eye(
-        len(gram), dtype=gram.dtype, device=gram.device
-    )
+    ridge = gram.clone()
+    ridge.diagonal().add_(RIDGE * gram.diagonal().mean())
     b = torch.linalg.solve(ridge, x.T @ (final.double() - x)) @ root
     v = torch.linalg.eigh(b.T @ gram @ b).eigenvectors[:, -rank:]
     u, singular, vh = torch.linalg.svd(root_inv @ v @ (v.T @ b.T))
@@ -339,10 +359,12 @@ def _evaluate(
     down: Tensor,
     up: Tensor,
 ) -> list[LayerReport]:
-    """Held-out top-1 agreement and mean KL(final || exit) per layer, without and with adapters."""
+    """Top-1 agreement and mean KL(final || exit) per layer, without and with adapters, over
+    `EVAL_POSITIONS` evenly spaced positions of `data`."""
     totals = torch.zeros(len(layers), 4, dtype=torch.float64)
-    positions = len(data.final)
-    for chunk in torch.arange(positions).split(_CHUNK):
+    positions = min(len(data.final), EVAL_POSITIONS)
+    scored = torch.linspace(0, len(data.final) - 1, positions).long()
+    for chunk in scored.split(_CHUNK):
         teacher = torch.log_softmax(model.project(data.final[chunk], weight), -1)
         teacher_probs, target = teacher.exp(), teacher.argmax(-1)
         for row, layer in enumerate(layers):

@@ -307,8 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--rank", type=int, default=64, help="adapter rank")
     cal.add_argument("--layers", help="exit layers, e.g. 8-29 or 10,20 (default: all)")
-    cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
-    cal.add_argument("--steps", type=int, default=150, help="training steps per layer")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    cal.add_argument(
+        "--steps", type=int, default=50, help="Adam steps per layer after the closed-form fit"
+    )
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--device", default="cpu")
