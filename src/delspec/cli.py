@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -164,7 +165,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = select_prompts(
         tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
     )
-    result = run_bench(load(args), methods, prompts, max_new_tokens=args.max_new_tokens)
+    result = run_bench(
+        load(args),
+        methods,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        command=shlex.join(["delspec", *args.argv]),
+    )
     paths = write_report(result, args.out)
     print("\n".join(summary_lines(result)))
     print(f"delspec: wrote {', '.join(p.name for p in paths)} to {args.out}", file=sys.stderr)
@@ -322,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     command: Callable[[argparse.Namespace], int] = args.func
     try:
         return command(args)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from delspec.adapters import draft_head
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
 from delspec.loading import LoadedModel, converted_checkpoint
@@ -61,6 +62,12 @@ class DelspecBackend:
 
     def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
         model, eos = self.lm.model, self.lm.eos_token_ids
+        options = dict(options)
+        # Exit-head options: adapters ("auto", a file or "none") and a pruned draft vocabulary.
+        adapters = options.pop("adapters", "none")
+        exit_head = draft_head(
+            self.lm, None if adapters == "none" else adapters, options.pop("draft_vocab", None)
+        )
         make_policy(strategy, model.num_layers, **options)  # reject bad options now
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
@@ -71,6 +78,7 @@ class DelspecBackend:
                 policy,
                 max_new_tokens=max_new_tokens,
                 eos_token_ids=eos,
+                exit_head=exit_head,
                 trace=True,
             )
             layers = getattr(policy, "candidates", None)

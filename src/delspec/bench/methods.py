@@ -1,10 +1,11 @@
 """The methods `delspec bench` can compare, by name, and the ``--methods`` list syntax.
 
 A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strategy and fixed
-options. Adding a variant is one entry, e.g. ``METHODS["del-fast"] = MethodSpec("del",
-{"omega": 0.9}, description=...)``. On the command line, ``NAME:key=value,...`` adds or
-overrides options; ``E`` and ``d`` stand for ``exit_layer`` and ``draft_length``, and a value
-``a/b/c`` is a list (used by ``static-sweep`` grids).
+options. Adding a variant is one entry. delspec methods also take the exit-head options
+``adapters`` ("auto", a file, or "none", the default) and ``draft_vocab``. On the command
+line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
+``exit_layer`` and ``draft_length``, and a value ``a/b/c`` is a list (used by
+``static-sweep`` grids).
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ METHODS: dict[str, MethodSpec] = {
     "ar": MethodSpec("ar", description="vanilla autoregressive greedy decoding (the reference)"),
     "del": MethodSpec("del", description="DEL: dynamic exit layer + dynamic draft exiting"),
     "dele": MethodSpec("dele", description="DEL without dynamic draft exiting (DEL-E)"),
+    "del-fast": MethodSpec(
+        "del-fast",
+        description="DEL + measured cost model, no-draft rounds, shadow work bounded to 2%",
+    ),
+    "del-fast-vocab": MethodSpec(
+        "del-fast",
+        {"draft_vocab": 16384},
+        description="del-fast drafting with the 16k most frequent tokens' LM-head rows",
+    ),
+    "del-fast-adapters": MethodSpec(
+        "del-fast",
+        {"adapters": "auto", "draft_vocab": 16384},
+        description="del-fast-vocab with the model's calibrated exit adapters",
+    ),
     "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
     "static-sweep": MethodSpec(
         "static",

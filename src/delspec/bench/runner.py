@@ -139,8 +139,11 @@ def run_bench(
     *,
     max_new_tokens: int = 128,
     progress: bool = True,
+    command: str | None = None,
 ) -> BenchResult:
     """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`.
+
+    `command` is the invocation recorded with the results (default: this process's argv).
 
     Raises `ConfigError` for a method option its backend rejects (before any timed run).
     """
@@ -148,7 +151,7 @@ def run_bench(
         raise ConfigError(f"the first method must be {REFERENCE!r}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    environment = run_environment(lm)
+    environment = run_environment(lm, command)
     tasks = prompt_set.tasks
     encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
     calibration = {
@@ -358,12 +361,12 @@ def model_info(lm: LoadedModel) -> dict[str, Any]:
     }
 
 
-def run_environment(lm: LoadedModel) -> dict[str, Any]:
+def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, Any]:
     """Versions, machine and invocation of this run."""
     device = lm.model.device
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv),
+        "command": command or shlex.join(sys.argv),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": metadata.version("transformers"),

@@ -10,8 +10,8 @@ from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
 # DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, and shadow
-# work bounded to ~5% of round time (a short warm-up window keeps round 0 cheap too).
-FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.05, warmup=8)
+# work bounded to ~2% of round time (a short warm-up window keeps round 0 cheap too).
+FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.02, warmup=8)
 
 STRATEGIES: dict[str, Any] = {
     "del": DynamicExit,
