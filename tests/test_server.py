@@ -21,6 +21,7 @@ from tiny_models import tiny_model
 
 from delspec.generate import generate
 from delspec.loading import LoadedModel
+from delspec.policies import DEFAULT_STRATEGY
 from delspec.server import create_app
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
@@ -138,7 +139,7 @@ def test_openai_client_streams_and_matches_autoregressive(smollm2: LoadedModel) 
         assert chat.usage.completion_tokens == len(expect_chat.token_ids)
         assert chat.usage.total_tokens == prompt_tokens + len(expect_chat.token_ids)
         stats = chat.model_extra["delspec"]
-        assert stats["strategy"] == "del"
+        assert stats["strategy"] == DEFAULT_STRATEGY
         assert {"acceptance_rate", "mean_exit_layer", "tokens_per_s"} <= set(stats)
 
         chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **args))
@@ -146,7 +147,7 @@ def test_openai_client_streams_and_matches_autoregressive(smollm2: LoadedModel) 
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expect_chat.text
         assert chunks[-1].choices[0].finish_reason == expect_chat.finish_reason
         assert chunks[-1].usage.completion_tokens == len(expect_chat.token_ids)
-        assert chunks[-1].model_extra["delspec"]["strategy"] == "del"
+        assert chunks[-1].model_extra["delspec"]["strategy"] == DEFAULT_STRATEGY
 
         text = client.completions.create(prompt=prompt, **args)
         assert text.choices[0].text == expect_text.text

@@ -32,9 +32,14 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
-    from delspec.policies import STRATEGIES
+    from delspec.policies import DEFAULT_STRATEGY, STRATEGIES
 
-    parser.add_argument("--strategy", default="del", choices=sorted(STRATEGIES))
+    parser.add_argument(
+        "--strategy",
+        default=DEFAULT_STRATEGY,
+        choices=sorted(STRATEGIES),
+        help=f"decoding strategy (default: {DEFAULT_STRATEGY}; del = the paper's DEL)",
+    )
     parser.add_argument("--exit-layer", type=int, help="exit layer E (static, fs, dv)")
     parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -159,6 +160,10 @@ def cached_profile(
             return profile
     except (OSError, ValueError, TypeError):
         pass
+    print(
+        f"delspec: measuring decode costs on {model.device} (once; cached in {directory})",
+        file=sys.stderr,
+    )
     profile = measure_profile(model, draft_head, draft_vocab, max_tokens)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -16,7 +16,7 @@ from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import Policy, make_policy
+from delspec.policies import DEFAULT_STRATEGY, Policy, make_policy
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -286,7 +286,7 @@ def generate(
     lm: LoadedModel,
     prompt: str | Sequence[int] | Sequence[dict[str, str]],
     *,
-    strategy: str | Policy = "del",
+    strategy: str | Policy = DEFAULT_STRATEGY,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,

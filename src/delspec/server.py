@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.errors import ConfigError, ContextLengthError, DelspecError
 from delspec.generate import Result, encode_prompt, generate
-from delspec.policies import make_policy
+from delspec.policies import DEFAULT_STRATEGY, make_policy
 
 if TYPE_CHECKING:
     from delspec.loading import LoadedModel
@@ -669,7 +669,7 @@ class _Service:
 def create_app(
     lm: LoadedModel,
     *,
-    strategy: str = "del",
+    strategy: str = DEFAULT_STRATEGY,
     strategy_options: dict[str, Any] | None = None,
     max_queue: int = 16,
     request_timeout: float = 600.0,

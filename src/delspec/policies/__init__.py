@@ -13,6 +13,8 @@ from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDr
 # work bounded to ~2% of round time (a short warm-up window keeps round 0 cheap too).
 FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.02, warmup=8)
 
+DEFAULT_STRATEGY = "del-fast"
+
 STRATEGIES: dict[str, Any] = {
     "del": DynamicExit,
     "dele": lambda num_layers, **kw: DynamicExit(num_layers, dynamic_draft=False, **kw),
@@ -30,9 +32,11 @@ def make_policy(strategy: str, num_layers: int, **options: Any) -> Policy:
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     try:
-        return STRATEGIES[strategy](num_layers, **options)
+        policy = STRATEGIES[strategy](num_layers, **options)
     except TypeError as exc:
         raise ConfigError(f"strategy {strategy!r}: {exc}") from exc
+    policy.name = strategy
+    return policy
 
 
-__all__ = ["STRATEGIES", "Plan", "Policy", "make_policy"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Plan", "Policy", "make_policy"]

@@ -78,8 +78,6 @@ class DynamicExit(Policy):
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
         self.exit_layers = torch.tensor(self.candidates)
         self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
-        if not dynamic_draft:
-            self.name = "dele"
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
