@@ -1,0 +1,86 @@
+"""The command line on the real model: JSON output, traces, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from delspec.cli import main
+from delspec.policies import DEFAULT_STRATEGY
+
+
+def test_generate_json_and_trace(smollm2, tmp_path, capsys):
+    trace = tmp_path / "rounds.jsonl"
+    code = main(
+        [
+            "generate",
+            "The capital of France is",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--strategy",
+            "static",
+            "--exit-layer",
+            "26",
+            "--draft-length",
+            "2",
+            "--trace",
+            str(trace),
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["strategy"] == "static" and out["finish_reason"] in ("stop", "length")
+    assert 0 < len(out["token_ids"]) <= 8 and out["text"]
+    stats = out["stats"]
+    for key in (
+        "prompt_tokens",
+        "new_tokens",
+        "prefill_ms",
+        "decode_ms_per_token",
+        "tokens_per_s",
+        "acceptance_rate",
+        "etpl",
+        "mean_exit_layer",
+        "mean_draft_length",
+    ):
+        assert key in stats
+    assert stats["mean_exit_layer"] == 26.0
+    rounds = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rounds) == stats["rounds"] and all(r["exit_layer"] == 26 for r in rounds)
+    assert sum(r["committed"] for r in rounds) == stats["new_tokens"]
+
+
+def test_generate_streams_text_and_a_summary(smollm2, capsys):
+    assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "tok/s" in captured.err and "strategy ar" in captured.err
+
+
+def test_info(smollm2, capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layers"] == 30 and info["vocab_size"] == 49152
+    assert info["parameters"] > 100_000_000
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "x", "--model", "/no/such/model.gguf"], "does not exist"),
+        (["generate", "x", "--strategy", "static", "--exit-layer", "30"], "exit layer must be"),
+        (["generate", "x", "--strategy", "static", "--draft-length", "0"], "draft length"),
+        (["generate", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "x", "--temperature", "0.5", "--top-p", "2"], "top_p"),
+        (["generate", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "x", "--strategy", DEFAULT_STRATEGY, "--exit-layer", "3"], "exit_layer"),
+        (["generate", "x " * 9000, "--strategy", "ar"], "context"),
+    ],
+)
+def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("delspec: error:") and message in err
+    assert "Traceback" not in err
