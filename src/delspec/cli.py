@@ -44,6 +44,17 @@ def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
 
 
+def _draft_vocab(text: str) -> int | str | None:
+    if text in ("auto", "full"):
+        return None if text == "full" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number, 'auto' or 'full', got {text!r}"
+        ) from None
+
+
 def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
     """The strategy keyword arguments given on the command line."""
     options = {"exit_layer": args.exit_layer, "draft_length": args.draft_length}
@@ -269,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         "if it has one; 'none'",
     )
     gen.add_argument(
-        "--draft-vocab", type=int, help="draft with only the K most frequent tokens' LM head rows"
+        "--draft-vocab",
+        type=_draft_vocab,
+        default="auto",
+        help="draft with only the K most frequent tokens' LM head rows; 'full'; 'auto' "
+        "(default): 16384 for del-fast on large vocabularies",
     )
     gen.set_defaults(func=cmd_generate)
 

@@ -16,7 +16,7 @@ from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import DEFAULT_STRATEGY, Policy, make_policy
+from delspec.policies import DEFAULT_STRATEGY, FAST_DRAFT_VOCAB, Policy, make_policy
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -299,10 +299,10 @@ def generate(
     trace: bool = False,
     exit_head: ExitHead | None = None,
     adapters: str | os.PathLike | ExitAdapters | None = "auto",
-    draft_vocab: int | None = None,
+    draft_vocab: int | str | None = "auto",
     **strategy_options: Any,
 ) -> Result:
-    """Generate a continuation of `prompt` with a decoding strategy (DEL by default).
+    """Generate a continuation of `prompt` with a decoding strategy (`del-fast` by default).
 
     `prompt` is text, token ids, or a chat conversation (a list of `{"role", "content"}`);
     `chat=True` wraps text as one user message. `on_text(piece, kind)` receives the final text
@@ -312,11 +312,15 @@ def generate(
 
     Drafts use exit adapters (`adapters`: "auto" = the model's calibration file if it has one,
     a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
-    frequent tokens (see `delspec.adapters.draft_head`), unless `exit_head` is given. Neither
-    changes the output.
+    frequent tokens (see `delspec.adapters.draft_head`; "auto" = `FAST_DRAFT_VOCAB` for
+    `del-fast` when the vocabulary is at least twice that, else the full vocabulary), unless
+    `exit_head` is given. Neither changes the output.
     """
-    if exit_head is not None and (adapters != "auto" or draft_vocab is not None):
+    if exit_head is not None and (adapters != "auto" or draft_vocab != "auto"):
         raise ConfigError("pass either exit_head or adapters/draft_vocab, not both")
+    if draft_vocab == "auto":
+        large = lm.model.config.vocab_size >= 2 * FAST_DRAFT_VOCAB
+        draft_vocab = FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
     prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (

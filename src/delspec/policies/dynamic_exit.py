@@ -35,6 +35,7 @@ class DynamicExit(Policy):
       this device (`delspec.costs`) plus the policy's own measured overhead per round.
     - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
       every layer's statistics still update from that step, so drafting resumes once it pays.
+      Round 0 is then a plain step too (scored at every layer), not a one-token layer-1 draft.
     - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
       positions in the valid context are decoded, and each round scores the exit layer, its
       neighbours and a rotating share of the other candidates as the budget allows (rounds may
@@ -107,8 +108,8 @@ class DynamicExit(Policy):
         )
 
     def plan(self) -> Plan:
-        if self.warm:
-            return Plan(self.candidates[0], 1)
+        if self.warm:  # round 0: the paper drafts one token with the first candidate
+            return Plan(0, 0) if self.no_draft else Plan(self.candidates[0], 1)
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
         return Plan(self.exit_layer, self.draft_cap if self.dynamic_draft else self.draft_length)
