@@ -72,14 +72,13 @@ class Result:
     trace: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {
+        return {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "strategy": self.strategy,
             "stats": self.stats.as_dict(),
         }
-        return out
 
 
 def decode_tokens(

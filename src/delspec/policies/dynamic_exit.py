@@ -88,6 +88,7 @@ class DynamicExit(Policy):
         self.exit_layer, self.draft_length = self.candidates[0], 1
         self.tau = self.stats.threshold()
         self.tau_exit = float(self.tau[0])
+        self.alpha_trace = [0.0] * len(self.candidates)
         self.warm = True
         self.collect_hidden = True
         self.credit = 0.0  # seconds of shadow work the budget allows now
@@ -134,7 +135,7 @@ class DynamicExit(Policy):
         self.collect_hidden = self._will_score_next()
         record.extra.update(
             tau=round(self.tau_exit, 4),
-            alpha=[round(a, 4) for a in self.stats.alpha().tolist()],
+            alpha=self.alpha_trace,
             next_exit_layer=self.exit_layer,
             next_draft_length=self.draft_length,
             shadow_s=elapsed,
@@ -184,6 +185,7 @@ class DynamicExit(Policy):
 
     def _choose(self) -> None:
         alpha = self.stats.alpha()
+        self.alpha_trace = [round(a, 4) for a in alpha.tolist()]  # for traces, once per update
         value = expected_tokens(alpha, self.draft_lengths) / self.cost.grid(
             self.exit_layers, self.draft_lengths
         )
