@@ -293,6 +293,8 @@ def test_parse_methods():
         {"exit_layer": [2, 4], "calibration": 3},
     ]
     assert methods[3].spec.sweep and methods[0].name == "ar"
+    (path,) = parse_methods("ar,del-fast:adapters=/tmp/a/x.safetensors,draft_vocab=8")[1:]
+    assert dict(path.options) == {"adapters": "/tmp/a/x.safetensors", "draft_vocab": 8}
     with pytest.raises(ConfigError, match="comes before any method"):
         parse_methods("E=3,del")
 

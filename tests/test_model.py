@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from delspec.architectures import config_from_hf
 from delspec.errors import ContextLengthError, ModelFormatError
-from delspec.model import build_model
+from delspec.model import NARROW_ROWS, build_model, linear
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -122,3 +122,19 @@ def test_shape_mismatch_is_named():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ModelFormatError, match="unsupported architecture 'gpt2'"):
         config_from_hf({"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "shape", [(1, 24), (2, 24), (NARROW_ROWS, 24), (NARROW_ROWS + 1, 24), (2, 1, 24)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_the_plain_product(dtype, shape, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    weight = torch.randn(40, 24, generator=gen, dtype=dtype)
+    bias = torch.randn(40, generator=gen, dtype=dtype) if with_bias else None
+    out = linear(x, weight, bias)
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

@@ -4,8 +4,8 @@ A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strat
 options. Adding a variant is one entry. delspec methods also take the exit-head options
 ``adapters`` ("auto", a file, or "none", the default) and ``draft_vocab``. On the command
 line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
-``exit_layer`` and ``draft_length``, and a value ``a/b/c`` is a list (used by
-``static-sweep`` grids).
+``exit_layer`` and ``draft_length``, and a value ``a/b/c`` of numbers is a list (used by
+``static-sweep`` grids); any other value with ``/`` is a path.
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ def _method(label: str) -> Method:
         if not (sep and key and value):
             raise ConfigError(f"method {label!r}: expected key=value, got {pair!r}")
         values = [_scalar(v) for v in value.split("/")]
+        if len(values) > 1 and any(isinstance(v, str) for v in values):
+            values = [value]  # a path such as adapters=dir/file, not a grid
         options[OPTION_ALIASES.get(key, key)] = values if len(values) > 1 else values[0]
     return Method(label, name, spec, MappingProxyType(options))
 
