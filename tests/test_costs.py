@@ -108,5 +108,51 @@ def test_shadow_budget_bounds_policy_work_and_stays_lossless():
     policy = make_policy("del", model.num_layers, shadow_budget=0.05, no_draft=True)
     got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
     assert got.token_ids == expected.token_ids
-    scored = [r for r in got.trace[1:] if r["shadow_ms"] > 0.05]
+    scored = [r for r in got.trace[1:] if r["scored_layers"]]
     assert len(scored) < len(got.trace) - 1  # some rounds skip scoring entirely
+
+
+def _policy_with_counts(matched, mismatched, **options):
+    """A measured-cost DEL over exits 2, 5, 8 of a 10-layer model with given decayed counts."""
+    model = tiny_model(seed=0, num_layers=LAYERS)
+    policy = make_policy("del", LAYERS, candidates=EXITS.tolist(), cost="measured", **options)
+    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20), LAYERS)  # GPU-like
+    policy.start(ExitHead(model))
+    policy.stats.matched = torch.tensor(matched, dtype=torch.float64)
+    policy.stats.mismatched = torch.tensor(mismatched, dtype=torch.float64)
+    policy._choose()
+    return policy
+
+
+def test_a_draft_must_promise_the_margin_over_a_plain_step():
+    # alpha(8) = 0.95: E = 8, d = 2 gives 13% more tokens/s than a plain step, above the margin
+    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
+    assert (policy.plan().exit_layer, policy.plan().draft_cap) == (8, 2)
+    # alpha(8) = 0.9: the best draft (E = 8, d = 1) gains 7.8%, less than the 10% default margin
+    policy = _policy_with_counts([2, 5, 90], [8, 5, 10], no_draft=True, prior=0)
+    assert policy.plan().draft_cap == 0 and policy.exit_layer == 8  # still watching layer 8
+    policy = _policy_with_counts([2, 5, 90], [8, 5, 10], no_draft=True, prior=0, margin=0)
+    assert (policy.plan().exit_layer, policy.plan().draft_cap) == (8, 1)
+
+
+def test_the_prior_keeps_a_layer_seen_a_few_times_from_looking_certain():
+    # layer 2 matched the one position it was scored at; layer 5 matched 97 of 100
+    assert _policy_with_counts([1, 97, 0], [0, 3, 10], prior=0).exit_layer == 2  # alpha 1
+    assert _policy_with_counts([1, 97, 0], [0, 3, 10]).exit_layer == 5  # prior 1: alpha(2) 0.5
+
+
+def test_unscored_rounds_count_the_exit_layers_own_drafts():
+    model = tiny_model(seed=3, shallow=2)
+    prompt = list(range(1, 30))
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    policy = make_policy("del-fast", model.num_layers, shadow_budget=0.01)
+    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    assert got.token_ids == expected.token_ids
+    for before, entry in zip(got.trace, got.trace[1:], strict=False):
+        if entry["drafted"] and not entry["scored_layers"]:
+            row = policy.candidates.index(entry["exit_layer"])
+            if entry["accepted"] == entry["drafted"]:  # only matches: alpha cannot fall
+                assert entry["alpha"][row] >= before["alpha"][row]
+            else:  # a rejected draft: alpha cannot rise
+                assert entry["alpha"][row] <= before["alpha"][row]
+    assert any(e["drafted"] and not e["scored_layers"] for e in got.trace)

@@ -126,7 +126,8 @@ def test_unsupported_architecture_is_named():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
-    "shape", [(1, 24), (2, 24), (NARROW_ROWS, 24), (NARROW_ROWS + 1, 24), (2, 1, 24)]
+    "shape",
+    [(1, 24), (2, 24), (NARROW_ROWS, 24), (NARROW_ROWS + 1, 24), (3 * NARROW_ROWS, 24), (2, 1, 24)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_the_plain_product(dtype, shape, with_bias):

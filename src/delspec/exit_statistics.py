@@ -39,13 +39,14 @@ class ExitStatistics:
             values = getattr(self, name)
             values[rows] = w * values[rows] + add
 
-    def alpha(self) -> Tensor:
-        """Estimated acceptance rate A / (A + B); 0 for a layer without data.
+    def alpha(self, prior: float = 0.0) -> Tensor:
+        """Estimated acceptance rate A / (A + B + prior); 0 for a layer without data.
 
-        (The reference code turns a layer without data into NaN -> -inf, which can make a
-        TPL entry +inf and win the argmax.)
+        `prior` counts that many unseen mismatches, which keeps a layer seen a few times from
+        looking certain. (The reference code turns a layer without data into NaN -> -inf, which
+        can make a TPL entry +inf and win the argmax.)
         """
-        total = self.matched + self.mismatched
+        total = self.matched + self.mismatched + prior
         return torch.where(total > 0, self.matched / total.clamp_min(1e-300), 0.0)
 
     def threshold(self) -> Tensor:

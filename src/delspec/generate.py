@@ -16,7 +16,7 @@ from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import DEFAULT_STRATEGY, FAST_DRAFT_VOCAB, Policy, make_policy
+from delspec.policies import DEFAULT_STRATEGY, Policy, default_draft_vocab, make_policy
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -318,8 +318,7 @@ def generate(
     if exit_head is not None and (adapters != "auto" or draft_vocab != "auto"):
         raise ConfigError("pass either exit_head or adapters/draft_vocab, not both")
     if draft_vocab == "auto":
-        large = lm.model.config.vocab_size >= 2 * FAST_DRAFT_VOCAB
-        draft_vocab = FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
+        draft_vocab = default_draft_vocab(str(strategy), lm.model.config.vocab_size)
     prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (

@@ -18,26 +18,31 @@ from torch import Tensor, nn
 from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
 
-# Up to this many rows, float32 CPU products run as `weight @ x.T` with at least two columns.
-# MKL's matrix-vector kernel (one row) and its general kernel at a few rows reach about a third
-# of the memory bandwidth that its two-to-four-column kernel reaches on the CPUs we measured, and
-# decoding is bound by streaming the weights. See `linear`.
+# Float32 CPU products with up to this many rows run as `weight @ x.T` with two to four
+# columns. MKL's matrix-vector kernel (one row) and its general kernel at a few rows reach about
+# a third of the memory bandwidth that its two-to-four-column kernel reaches on the CPUs we
+# measured, and decoding is bound by streaming the weights. Up to twice as many rows run as two
+# such products, which still beats the general kernel. See `linear`.
 NARROW_ROWS = 4
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`x @ weight.T (+ bias)` for `x` of shape `[..., in]`, fast at decode-sized inputs.
 
-    On CPU in float32 with 1..NARROW_ROWS rows in all, this computes `weight @ x.T` (one row
-    doubled to two), the same product through a kernel that streams the weight at full memory
-    bandwidth; everything else is `F.linear`. Results agree with `F.linear` to float32 rounding.
+    On CPU in float32 with 1..2 * NARROW_ROWS rows in all, this computes `weight @ x.T` over
+    chunks of at most NARROW_ROWS rows (one row doubled to two): the same product through a
+    kernel that streams the weight at full memory bandwidth. Everything else is `F.linear`.
+    Results agree with `F.linear` to float32 rounding.
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or rows > NARROW_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or rows > 2 * NARROW_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, -1)
-    wide = torch.cat([flat, flat]) if rows == 1 else flat
-    out = (weight @ wide.T).T[:rows].reshape(*x.shape[:-1], -1)
+    if rows == 1:
+        flat = torch.cat([flat, flat])
+    parts = [(weight @ chunk.T).T for chunk in flat.split(NARROW_ROWS)]
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:rows]
+    out = out.reshape(*x.shape[:-1], -1)
     return out if bias is None else out + bias
 
 

@@ -2,8 +2,8 @@
 
 A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strategy and fixed
 options. Adding a variant is one entry. delspec methods also take the exit-head options
-``adapters`` ("auto", a file, or "none", the default) and ``draft_vocab``. On the command
-line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
+``adapters`` ("auto", a file, or "none", the default) and ``draft_vocab`` (a size, or "auto").
+On the command line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
 ``exit_layer`` and ``draft_length``, and a value ``a/b/c`` of numbers is a list (used by
 ``static-sweep`` grids); any other value with ``/`` is a path.
 """
@@ -49,17 +49,10 @@ METHODS: dict[str, MethodSpec] = {
     "dele": MethodSpec("dele", description="DEL without dynamic draft exiting (DEL-E)"),
     "del-fast": MethodSpec(
         "del-fast",
-        description="DEL + measured cost model, no-draft rounds, shadow work bounded to 2%",
-    ),
-    "del-fast-vocab": MethodSpec(
-        "del-fast",
-        {"draft_vocab": 16384},
-        description="del-fast drafting with the 16k most frequent tokens' LM-head rows",
-    ),
-    "del-fast-adapters": MethodSpec(
-        "del-fast",
-        {"adapters": "auto", "draft_vocab": 16384},
-        description="del-fast-vocab with the model's calibrated exit adapters",
+        {"adapters": "auto", "draft_vocab": "auto"},
+        description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
+        "rounds, 2% shadow budget, pruned draft vocabulary and calibrated adapters where they "
+        "apply",
     ),
     "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
     "static-sweep": MethodSpec(

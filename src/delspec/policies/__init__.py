@@ -10,13 +10,21 @@ from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
 # DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, and shadow
-# work bounded to ~2% of round time (a short warm-up window keeps round 0 cheap too).
-FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.02, warmup=4)
+# work bounded to ~1% of round time (a short warm-up window keeps round 0 cheap too).
+FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.01, warmup=4)
 # del-fast drafts with the LM-head rows of this many most frequent tokens (when the vocabulary
 # is at least twice as large): drafting and shadow tokens then cost a fraction of the full head.
 FAST_DRAFT_VOCAB = 16384
 
 DEFAULT_STRATEGY = "del-fast"
+
+
+def default_draft_vocab(strategy: str, vocab_size: int) -> int | None:
+    """The draft vocabulary `draft_vocab="auto"` means: `FAST_DRAFT_VOCAB` for `del-fast` when
+    the vocabulary is at least twice as large, else the full vocabulary (None)."""
+    large = vocab_size >= 2 * FAST_DRAFT_VOCAB
+    return FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
+
 
 STRATEGIES: dict[str, Any] = {
     "del": DynamicExit,
@@ -42,4 +50,12 @@ def make_policy(strategy: str, num_layers: int, **options: Any) -> Policy:
     return policy
 
 
-__all__ = ["DEFAULT_STRATEGY", "FAST_DRAFT_VOCAB", "STRATEGIES", "Plan", "Policy", "make_policy"]
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "FAST_DRAFT_VOCAB",
+    "STRATEGIES",
+    "Plan",
+    "Policy",
+    "default_draft_vocab",
+    "make_policy",
+]

@@ -13,6 +13,7 @@ from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.base import Plan, Policy, check_draft_length
 
 COSTS = ("layers", "measured")
+WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 
 
 class DynamicExit(Policy):
@@ -32,14 +33,23 @@ class DynamicExit(Policy):
 
     Beyond the paper (all off by default, so the defaults are the paper's DEL):
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured overhead per round.
+      this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
+      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
+      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
+      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
+      promise `margin` (default 10%) more tokens per second than a plain step, or the round is
+      plain: estimates from a few positions are noisy, and a wrong draft costs more than a
+      right one gains.
     - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
       every layer's statistics still update from that step, so drafting resumes once it pays.
       Round 0 is then a plain step too (scored at every layer), not a one-token layer-1 draft.
     - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
       positions in the valid context are decoded, and each round scores the exit layer, its
       neighbours and a rotating share of the other candidates as the budget allows (rounds may
-      skip scoring altogether); a layer's statistics decay only when it is scored.
+      skip scoring altogether; the warm-up scores `WARM_LAYERS` evenly spread candidates); a
+      layer's statistics decay only when it is scored. A round
+      that is not scored still updates the exit layer from its own drafts, which cost nothing
+      to score: the accepted ones matched, the first rejected one did not.
     """
 
     name = "del"
@@ -57,6 +67,8 @@ class DynamicExit(Policy):
         cost: str = "layers",
         no_draft: bool = False,
         shadow_budget: float | None = None,
+        prior: float | None = None,
+        margin: float | None = None,
     ) -> None:
         super().__init__(num_layers)
         layers = candidates if candidates is not None else list(range(1, num_layers))
@@ -75,7 +87,13 @@ class DynamicExit(Policy):
             raise ConfigError(f"shadow_budget must be in (0, 1], got {shadow_budget}")
         self.omega, self.draft_cap = omega, check_draft_length(draft_cap, "draft cap")
         self.warmup_window, self.dynamic_draft = warmup, dynamic_draft
+        measured = cost == "measured"
+        prior = (1.0 if measured else 0.0) if prior is None else prior
+        margin = (0.1 if measured and no_draft else 0.0) if margin is None else margin
+        if prior < 0 or margin < 0:
+            raise ConfigError(f"prior and margin must be >= 0, got {prior}, {margin}")
         self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
+        self.prior, self.margin = prior, margin
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
         self.exit_layers = torch.tensor(self.candidates)
         self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
@@ -113,7 +131,9 @@ class DynamicExit(Policy):
             return Plan(0, 0) if self.no_draft else Plan(self.candidates[0], 1)
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
-        return Plan(self.exit_layer, self.draft_cap if self.dynamic_draft else self.draft_length)
+        measured = self.cost_name == "measured"
+        cap = self.draft_cap if self.dynamic_draft and not measured else self.draft_length
+        return Plan(self.exit_layer, cap)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.tau_exit
@@ -125,6 +145,9 @@ class DynamicExit(Policy):
         rows, positions = self._scope(record)
         if rows is not None:
             self._score(record, rows, positions)
+            self._choose()
+        elif record.drafted:
+            self._count_drafts(record)
             self._choose()
         elapsed = time.perf_counter() - start
         if rows is not None and self.shadow_budget is not None:
@@ -139,13 +162,17 @@ class DynamicExit(Policy):
             next_exit_layer=self.exit_layer,
             next_draft_length=self.draft_length,
             shadow_s=elapsed,
+            scored_layers=0 if rows is None else len(rows),
         )
 
     def _scope(self, record: Round) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Candidate rows and record positions to score this round (rows None: skip)."""
         everything = torch.arange(record.targets.shape[0])
-        if self.shadow_budget is None or self.warm:
+        if self.shadow_budget is None:
             return torch.arange(len(self.candidates)), everything
+        if self.warm:  # a spread of candidates, the deepest included; rotation adds the rest
+            spread = torch.linspace(0, len(self.candidates) - 1, WARM_LAYERS)
+            return spread.round().long().unique(), everything
         if record.hidden is None:
             return None, everything
         # Only the valid context can count: context + positions whose inputs were all accepted.
@@ -183,13 +210,24 @@ class DynamicExit(Policy):
                 valid[record.context + int(misses[0]) + 1 :] = False
         self.stats.update(match, confidence, valid, rows)
 
+    def _count_drafts(self, record: Round) -> None:
+        """Update the exit layer from the round's drafts: accepted ones, then the first miss."""
+        seen = min(record.accepted + 1, len(record.drafted))
+        match = torch.arange(seen) < record.accepted
+        confidence = torch.tensor(record.confidences[:seen])
+        row = torch.tensor([self.candidates.index(record.exit_layer)])
+        self.stats.update(match[None], confidence[None], torch.ones(seen, dtype=torch.bool), row)
+
     def _choose(self) -> None:
-        alpha = self.stats.alpha()
+        alpha = self.stats.alpha(self.prior)
         self.alpha_trace = [round(a, 4) for a in alpha.tolist()]  # for traces, once per update
         value = expected_tokens(alpha, self.draft_lengths) / self.cost.grid(
             self.exit_layers, self.draft_lengths
         )
         row, column = best_plan(value)
+        plain = value[:, self.draft_lengths == 0]
+        if self.margin and plain.numel() and value[row, column] < (1 + self.margin) * plain.max():
+            column = int((self.draft_lengths == 0).nonzero()[0])  # plain; keep watching `row`
         self.exit_layer = self.candidates[row]
         self.draft_length = int(self.draft_lengths[column])
         self.tau = self.stats.threshold()
