@@ -37,7 +37,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or rows > 2 * NARROW_ROWS:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, -1)
+    flat = x.reshape(rows, -1).contiguous()  # the fast kernel wants x.T column-major
     if rows == 1:
         flat = torch.cat([flat, flat])
     parts = [(weight @ chunk.T).T for chunk in flat.split(NARROW_ROWS)]

@@ -51,7 +51,7 @@ METHODS: dict[str, MethodSpec] = {
         "del-fast",
         {"adapters": "auto", "draft_vocab": "auto"},
         description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
-        "rounds, 2% shadow budget, pruned draft vocabulary and calibrated adapters where they "
+        "rounds, 1% shadow budget, pruned draft vocabulary and calibrated adapters where they "
         "apply",
     ),
     "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
