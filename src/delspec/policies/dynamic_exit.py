@@ -140,6 +140,7 @@ class DynamicExit(Policy):
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
+        warm = self.warm
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -150,10 +151,11 @@ class DynamicExit(Policy):
             self._count_drafts(record)
             self._choose()
         elapsed = time.perf_counter() - start
+        # The warm-up is a one-off per prompt, like the prefill: it is not charged to the budget.
         if rows is not None and self.shadow_budget is not None:
-            self.credit -= elapsed
             self.row_cost = elapsed / (len(rows) * len(positions))
-        if isinstance(self.cost, MeasuredCost):
+            self.credit -= 0.0 if warm else elapsed
+        if isinstance(self.cost, MeasuredCost) and not warm:
             self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
         self.collect_hidden = self._will_score_next()
         record.extra.update(
@@ -180,7 +182,7 @@ class DynamicExit(Policy):
         affordable = int(self.credit / max(self.row_cost * len(positions), 1e-9))
         here = self.candidates.index(self.exit_layer)
         must = [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
-        count = min(len(self.candidates), max(affordable, len(must)))
+        count = min(len(self.candidates), max(affordable, len(must) + 1))  # + one rotating
         chosen = dict.fromkeys(must)
         while len(chosen) < count:
             chosen.setdefault(self.cursor)
@@ -227,7 +229,9 @@ class DynamicExit(Policy):
         row, column = best_plan(value)
         plain = value[:, self.draft_lengths == 0]
         if self.margin and plain.numel() and value[row, column] < (1 + self.margin) * plain.max():
-            column = int((self.draft_lengths == 0).nonzero()[0])  # plain; keep watching `row`
+            # A plain round; keep watching the layer that agrees best (ties: the deepest).
+            row = len(alpha) - 1 - int(torch.argmax(alpha.flip(0)))
+            column = int((self.draft_lengths == 0).nonzero()[0])
         self.exit_layer = self.candidates[row]
         self.draft_length = int(self.draft_lengths[column])
         self.tau = self.stats.threshold()
