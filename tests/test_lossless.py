@@ -16,7 +16,7 @@ POLICIES = {
     "dv": dict(exit_layer=2),
     "del": dict(),
     "dele": dict(),
-    "del-fast": dict(),
+    "del-fast": dict(warmup=4),  # evidence from the prompt: drafting starts within ~25 tokens
 }
 
 

@@ -10,8 +10,9 @@ from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
 # DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, and shadow
-# work bounded to ~1% of round time (a short warm-up window keeps round 0 cheap too).
-FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.01, warmup=4)
+# work bounded to ~1% of round time. No warm-up window: the prompt's last tokens (often a chat
+# template) say little about the continuation, and scoring them costs ~1% of a short reply.
+FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.01, warmup=0)
 # del-fast drafts with the LM-head rows of this many most frequent tokens (when the vocabulary
 # is at least twice as large): drafting and shadow tokens then cost a fraction of the full head.
 FAST_DRAFT_VOCAB = 16384

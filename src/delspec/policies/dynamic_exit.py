@@ -37,7 +37,7 @@ class DynamicExit(Policy):
       caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
       and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
       a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
-      promise `margin` (default 10%) more tokens per second than a plain step, or the round is
+      promise `margin` (default 5%) more tokens per second than a plain step, or the round is
       plain: estimates from a few positions are noisy, and a wrong draft costs more than a
       right one gains.
     - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
@@ -89,7 +89,7 @@ class DynamicExit(Policy):
         self.warmup_window, self.dynamic_draft = warmup, dynamic_draft
         measured = cost == "measured"
         prior = (1.0 if measured else 0.0) if prior is None else prior
-        margin = (0.1 if measured and no_draft else 0.0) if margin is None else margin
+        margin = (0.05 if measured and no_draft else 0.0) if margin is None else margin
         if prior < 0 or margin < 0:
             raise ConfigError(f"prior and margin must be >= 0, got {prior}, {margin}")
         self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
