@@ -15,9 +15,11 @@ from delspec.errors import DelspecError
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    """The model to load (`--model`, or an optional positional `model`) and where to run it."""
     parser.add_argument(
-        "--model",
+        *(["model"] if positional else ["--model"]),
+        **({"nargs": "?"} if positional else {}),
         default="default",
         help="'default' (embedded SmolLM2-135M-Instruct), a named model, a .gguf file, "
         "or a Hugging Face model directory",
@@ -289,10 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="describe a model")
-    info.add_argument("model", nargs="?", default="default")
-    info.add_argument("--device", default="cpu")
-    info.add_argument("--dtype", default=None)
-    info.add_argument("--threads", type=int, default=None)
+    _model_arguments(info, positional=True)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
 
@@ -325,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     cal = sub.add_parser("calibrate", help="train exit adapters that make drafts more accurate")
-    cal.add_argument("model", nargs="?", default="default")
+    _model_arguments(cal, positional=True)
     cal.add_argument(
         "--out", type=Path, help="adapters file (default: where `generate` finds it by itself)"
     )
@@ -340,9 +339,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--device", default="cpu")
-    cal.add_argument("--dtype", default=None)
-    cal.add_argument("--threads", type=int, default=None)
     cal.set_defaults(func=cmd_calibrate)
     return parser
 

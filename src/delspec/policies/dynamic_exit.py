@@ -42,12 +42,12 @@ class DynamicExit(Policy):
       right one gains.
     - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
       every layer's statistics still update from that step, so drafting resumes once it pays.
-      Round 0 is then a plain step too (scored at every layer), not a one-token layer-1 draft.
+      Round 0 is then a plain step too (scored at the candidates), not a one-token draft.
     - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
       positions in the valid context are decoded, and each round scores the exit layer, its
       neighbours and a rotating share of the other candidates as the budget allows (rounds may
-      skip scoring altogether; the warm-up scores `WARM_LAYERS` evenly spread candidates); a
-      layer's statistics decay only when it is scored. A round
+      skip scoring altogether; the warm-up scores `WARM_LAYERS` evenly spread candidates and
+      is not charged to the budget); a layer's statistics decay only when it is scored. A round
       that is not scored still updates the exit layer from its own drafts, which cost nothing
       to score: the accepted ones matched, the first rejected one did not.
     """
@@ -95,6 +95,10 @@ class DynamicExit(Policy):
         self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
         self.prior, self.margin = prior, margin
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
+        # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
+        self.cap_at_optimum = measured or not dynamic_draft
+        plain = (self.draft_lengths == 0).nonzero()
+        self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
         self.exit_layers = torch.tensor(self.candidates)
         self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
 
@@ -131,9 +135,7 @@ class DynamicExit(Policy):
             return Plan(0, 0) if self.no_draft else Plan(self.candidates[0], 1)
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
-        measured = self.cost_name == "measured"
-        cap = self.draft_cap if self.dynamic_draft and not measured else self.draft_length
-        return Plan(self.exit_layer, cap)
+        return Plan(self.exit_layer, self.draft_length if self.cap_at_optimum else self.draft_cap)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.tau_exit
@@ -227,11 +229,13 @@ class DynamicExit(Policy):
             self.exit_layers, self.draft_lengths
         )
         row, column = best_plan(value)
-        plain = value[:, self.draft_lengths == 0]
-        if self.margin and plain.numel() and value[row, column] < (1 + self.margin) * plain.max():
-            # A plain round; keep watching the layer that agrees best (ties: the deepest).
-            row = len(alpha) - 1 - int(torch.argmax(alpha.flip(0)))
-            column = int((self.draft_lengths == 0).nonzero()[0])
+        plain = self.plain_column
+        if (
+            self.margin
+            and plain is not None
+            and value[row, column] < (1 + self.margin) * value[0, plain]
+        ):  # a plain round (its value is every row's); keep watching the layer agreeing best
+            row, column = len(alpha) - 1 - int(torch.argmax(alpha.flip(0))), plain
         self.exit_layer = self.candidates[row]
         self.draft_length = int(self.draft_lengths[column])
         self.tau = self.stats.threshold()
