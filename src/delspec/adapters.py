@@ -260,6 +260,12 @@ def top_tokens(ranking: Tensor, k: int) -> Tensor:
     return ranking[:k].sort().values
 
 
+def adapt(n: Tensor, down: Tensor, up: Tensor) -> Tensor:
+    """An exit adapter on normalised states `n [..., hidden]`: `n + up(down(n))`, with
+    `down [rank, hidden]` and `up [hidden, rank]`."""
+    return n + (n @ down.T) @ up.T
+
+
 class DraftHead(ExitHead):
     """An exit head with per-layer adapters and/or a pruned vocabulary `vocab` (token ids).
 
@@ -292,7 +298,7 @@ class DraftHead(ExitHead):
     def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
         n = self.model.norm(h)
         if exit_layer in self.adapted:
-            n = n + (n @ self.down[exit_layer].T) @ self.up[exit_layer].T
+            n = adapt(n, self.down[exit_layer], self.up[exit_layer])
         return self.model.project(n, self.weight)
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:

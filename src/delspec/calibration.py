@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.adapters import ExitAdapters, fallback_ranking, fingerprint
+from delspec.adapters import ExitAdapters, adapt, fallback_ranking, fingerprint
 from delspec.calibration_prompts import PROMPTS
 from delspec.errors import ConfigError
 from delspec.generate import generate
@@ -335,7 +335,7 @@ def _fit_layer(
     for _ in range(steps):
         index = next(batches).to(device)
         n = states[index]
-        logits = model.project(n + (n @ down.T) @ up.T, weight)
+        logits = model.project(adapt(n, down, up), weight)
         target = torch.log_softmax(logits, -1).gather(1, data.teacher_ids[index])
         loss = -(data.teacher_probs[index] * target).sum(-1).mean()
         optimizer.zero_grad(set_to_none=True)
@@ -369,7 +369,7 @@ def _evaluate(
         teacher_probs, target = teacher.exp(), teacher.argmax(-1)
         for row, layer in enumerate(layers):
             n = data.states[layer][chunk]
-            for column, state in ((0, n), (1, n + (n @ down[row].T) @ up[row].T)):
+            for column, state in ((0, n), (1, adapt(n, down[row], up[row]))):
                 student = torch.log_softmax(model.project(state, weight), -1)
                 agree = (student.argmax(-1) == target).sum()
                 kl = (teacher_probs * (teacher - student)).sum()
