@@ -34,6 +34,9 @@ OPTIONS = {
     "static": dict(exit_layer=2, draft_length=4),
     "fs": dict(exit_layer=3, draft_length=2),
     "dv": dict(exit_layer=2),
+    # Measured costs of a tiny model are all timing noise and may never let a draft pay; the
+    # paper's layer cost makes del-fast draft here deterministically (all else as shipped).
+    "del-fast": dict(cost="layers", warmup=4),
 }
 DRAFTING = sorted(set(STRATEGIES) - {"ar"})
 VOCAB = 64
@@ -177,6 +180,58 @@ def test_drafting_with_adapters_and_pruned_vocab_is_lossless(model, adapters, st
         drafted += got.stats.drafted
         accepted += got.stats.accepted
     assert drafted and accepted
+
+
+def test_context_tokens_join_a_sequences_draft_vocabulary(model, adapters):
+    vocab = top_tokens(adapters.ranking, 8)
+    shared = DraftHead(model, adapters, vocab)
+    outside = [t for t in range(VOCAB) if t not in set(vocab.tolist())]
+    prompt = [outside[0], int(vocab[0]), outside[1], outside[0]]
+    head = shared.for_prompt(prompt)
+    assert shared.vocab.tolist() == vocab.tolist()  # the shared head stays as it was
+    assert head.vocab.tolist() == vocab.tolist() + outside[:2]
+    head.admit([outside[2], outside[1], int(vocab[1])])
+    assert head.vocab.tolist() == vocab.tolist() + outside[:3]
+    assert head.rows == shared.rows == len(vocab)
+    full = DraftHead(model, adapters)
+    h = torch.randn(5, 32, dtype=model.dtype)
+    for layer in (2, model.num_layers):
+        torch.testing.assert_close(head(h, layer), full(h, layer)[:, head.vocab])
+    hidden = torch.randn(2, 5, 32, dtype=model.dtype)
+    torch.testing.assert_close(
+        head.shadow(hidden, [2, 3]), full.shadow(hidden, [2, 3])[..., head.vocab]
+    )
+    fixed = DraftHead(model, adapters, vocab, context_vocab=False).for_prompt(prompt)
+    assert fixed.vocab.tolist() == vocab.tolist()
+
+
+def test_drafting_from_the_final_layer_through_a_pruned_head_is_lossless(model, adapters):
+    num_layers = model.num_layers
+    head = DraftHead(model, None, top_tokens(adapters.ranking, 16))
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
+    expected = decode_tokens(model, prompt, make_policy("ar", num_layers), max_new_tokens=40)
+    policy = make_policy("static", num_layers, exit_layer=num_layers, draft_length=3)
+    got = decode_tokens(model, prompt, policy, max_new_tokens=40, exit_head=head)
+    assert got.token_ids == expected.token_ids
+    # A final-layer draft is the target's token whenever the pruned head holds it.
+    assert 0 < got.stats.accepted < got.stats.drafted
+
+
+def test_del_adds_the_final_layer_only_with_a_pruned_head(model, adapters):
+    num_layers = model.num_layers
+    middle = list(range(1, num_layers))
+    for head, expected in [
+        (ExitHead(model), middle),
+        (DraftHead(model, adapters), middle),
+        (DraftHead(model, adapters, top_tokens(adapters.ranking, 16)), [*middle, num_layers]),
+    ]:
+        policy = make_policy("del", num_layers)
+        policy.start(head)
+        assert policy.candidates == expected
+    policy = make_policy("del", num_layers, candidates=[2, 3])
+    policy.start(DraftHead(model, adapters, top_tokens(adapters.ranking, 16)))
+    assert policy.candidates == [2, 3]
 
 
 @pytest.mark.parametrize("strategy", DRAFTING)

@@ -275,7 +275,7 @@ def test_cli_errors_come_before_loading_the_model(tmp_path, capsys, options, mes
 def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys):
     code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", "static:E=99")
     assert code == 2
-    assert "method 'static:E=99': exit layer must be in 1..5" in capsys.readouterr().err
+    assert "method 'static:E=99': exit layer must be in 1..6" in capsys.readouterr().err
 
 
 def test_parse_methods():

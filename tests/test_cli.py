@@ -70,7 +70,7 @@ def test_info(smollm2, capsys):
     "argv,message",
     [
         (["generate", "x", "--model", "/no/such/model.gguf"], "does not exist"),
-        (["generate", "x", "--strategy", "static", "--exit-layer", "30"], "exit layer must be"),
+        (["generate", "x", "--strategy", "static", "--exit-layer", "31"], "exit layer must be"),
         (["generate", "x", "--strategy", "static", "--draft-length", "0"], "draft length"),
         (["generate", "x", "--temperature", "-1"], "temperature"),
         (["generate", "x", "--temperature", "0.5", "--top-p", "2"], "top_p"),

@@ -162,10 +162,10 @@ def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
 @pytest.mark.parametrize(
     "strategy,options,message",
     [
-        ("static", dict(exit_layer=0), "exit layer must be in 1..5"),
-        ("static", dict(exit_layer=6), "exit layer must be in 1..5"),
+        ("static", dict(exit_layer=0), "exit layer must be in 1..6"),
+        ("static", dict(exit_layer=7), "exit layer must be in 1..6"),
         ("static", dict(exit_layer=2, draft_length=0), "draft length must be >= 1"),
-        ("del", dict(candidates=[2, 9]), "exit layer must be in 1..5"),
+        ("del", dict(candidates=[2, 9]), "exit layer must be in 1..6"),
         ("del", dict(omega=0.0), "omega must be in"),
         ("dv", dict(exit_layer=2, threshold=1.5), "threshold must be in"),
         ("nope", dict(), "unknown strategy 'nope'"),

@@ -139,3 +139,16 @@ def test_linear_equals_the_plain_product(dtype, shape, with_bias):
     expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_over_many_rows_matches_and_follows_weight_changes():
+    model = tiny_model(seed=2, dtype=torch.float32, vocab_size=300)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, NARROW_ROWS, NARROW_ROWS + 1, 3 * NARROW_ROWS):
+            h = torch.randn(rows, model.config.hidden_size, generator=gen)
+            expected = model.norm(h).double() @ model.lm_head.weight.double().T
+            torch.testing.assert_close(model.head(h).double(), expected, rtol=1e-5, atol=1e-5)
+        model.lm_head.weight.mul_(-2)  # a prepacked copy must not outlive the weight it copies
+        expected = model.norm(h).double() @ model.lm_head.weight.double().T
+        torch.testing.assert_close(model.head(h).double(), expected, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_model
 
+from delspec.adapters import DraftHead
 from delspec.errors import ConfigError
 from delspec.generate import decode_tokens
 from delspec.policies import make_policy
@@ -54,20 +55,34 @@ def exact_distribution(model, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "strategy,options",
-    [("ar", {}), ("static", dict(exit_layer=2, draft_length=2)), ("del", {})],
+    "strategy,options,draft_vocab",
+    [
+        ("ar", {}, None),
+        ("static", dict(exit_layer=2, draft_length=2), None),
+        ("del", {}, None),
+        # The final layer through a pruned head (tokens 0 and 3, plus the context's own).
+        ("static", dict(exit_layer=-1, draft_length=2), [0, 3]),
+    ],
 )
-def test_speculative_sampling_keeps_the_target_distribution(strategy, options):
+def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab):
     model = tiny_model(seed=7, shallow=2, residual_scale=0.3, vocab_size=VOCAB)
     prompt = [1, 4, 2]
     settings = dict(temperature=0.9, top_k=5)
     exact = exact_distribution(model, prompt, Sampling(**settings))
+    if options.get("exit_layer") == -1:
+        options = {**options, "exit_layer": model.num_layers}
+    head = None if draft_vocab is None else DraftHead(model, vocab=torch.tensor(draft_vocab))
     counts: Counter = Counter()
     drafted = 0
     for seed in range(SAMPLES):
         policy = make_policy(strategy, model.num_layers, **options)
         out = decode_tokens(
-            model, prompt, policy, sampling=Sampling(**settings, seed=seed), max_new_tokens=NEW
+            model,
+            prompt,
+            policy,
+            sampling=Sampling(**settings, seed=seed),
+            max_new_tokens=NEW,
+            exit_head=head,
         )
         counts[tuple(out.token_ids)] += 1
         drafted += out.stats.drafted

@@ -11,6 +11,7 @@ They are made by `delspec.calibration.calibrate`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -270,7 +271,9 @@ class DraftHead(ExitHead):
     """An exit head with per-layer adapters and/or a pruned vocabulary `vocab` (token ids).
 
     Only drafts and shadow tokens go through it: the engine verifies with `model.head`, the
-    full unadapted head. Layers without an adapter use the plain final norm + head.
+    full unadapted head. Layers without an adapter use the plain final norm + head. With a
+    pruned vocabulary and `context_vocab`, each sequence's head (`for_prompt`) also drafts the
+    tokens of its prompt and reply so far (prompts are often copied from: names, numbers, code).
     """
 
     def __init__(
@@ -278,17 +281,22 @@ class DraftHead(ExitHead):
         model: Transformer,
         adapters: ExitAdapters | None = None,
         vocab: Tensor | None = None,
+        context_vocab: bool = True,
     ) -> None:
         super().__init__(model)
         device, dtype = model.device, model.dtype
         weight = model.lm_head.weight
         self.vocab = None if vocab is None else vocab.to(device)
         self.weight = weight if vocab is None else weight[self.vocab].contiguous()
+        self.context_vocab = context_vocab and vocab is not None
+        self.extra = weight[:0]  # LM head rows of the context tokens outside `vocab`
+        self._members: set[int] = set()  # token ids with a column, for a sequence's head
         self.adapted: frozenset[int] = frozenset()
         if adapters is not None and adapters.layers:
             num_layers, rank, hidden = model.num_layers, adapters.rank, model.config.hidden_size
-            self.down = torch.zeros(num_layers, rank, hidden, dtype=dtype, device=device)
-            self.up = torch.zeros(num_layers, hidden, rank, dtype=dtype, device=device)
+            layers = num_layers + 1  # indexed by exit layer, 1..L
+            self.down = torch.zeros(layers, rank, hidden, dtype=dtype, device=device)
+            self.up = torch.zeros(layers, hidden, rank, dtype=dtype, device=device)
             index = torch.tensor(adapters.layers, device=device)
             self.down[index] = adapters.down.to(device, dtype)
             self.up[index] = adapters.up.to(device, dtype)
@@ -299,14 +307,41 @@ class DraftHead(ExitHead):
         n = self.model.norm(h)
         if exit_layer in self.adapted:
             n = adapt(n, self.down[exit_layer], self.up[exit_layer])
-        return self.model.project(n, self.weight)
+        return self._project(n)
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         n = self.model.norm(hidden)
         if self.adapted.intersection(exit_layers):
             down, up = self._stacked(exit_layers)
             n = n + torch.bmm(torch.bmm(n, down), up)
-        return self.model.project(n, self.weight)
+        return self._project(n)
+
+    @property
+    def rows(self) -> int:
+        return len(self.weight)
+
+    def _project(self, n: Tensor) -> Tensor:
+        logits = self.model.project(n, self.weight)
+        if not len(self.extra):
+            return logits
+        return torch.cat([logits, self.model.project(n, self.extra)], -1)
+
+    def for_prompt(self, prompt: list[int]) -> ExitHead:
+        if not self.context_vocab:
+            return self
+        head = copy.copy(self)
+        head._members = set(self.vocab.tolist())
+        head.admit(prompt)
+        return head
+
+    def admit(self, tokens: list[int]) -> None:
+        new = [t for t in dict.fromkeys(tokens) if t not in self._members]
+        if not self.context_vocab or not new:
+            return
+        self._members.update(new)
+        ids = torch.tensor(new, device=self.vocab.device)
+        self.vocab = torch.cat([self.vocab, ids])
+        self.extra = torch.cat([self.extra, self.model.lm_head.weight[ids]])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
         """The listed layers' adapters, transposed for `n @ down @ up` over a layer batch."""
@@ -319,19 +354,23 @@ class DraftHead(ExitHead):
 
 
 def draft_head(
-    lm: LoadedModel, adapters: AdapterSource = "auto", draft_vocab: int | None = None
+    lm: LoadedModel,
+    adapters: AdapterSource = "auto",
+    draft_vocab: int | None = None,
+    context_vocab: bool = True,
 ) -> ExitHead:
     """The exit head `generate` drafts with.
 
     `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
     a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
-    adapters file's ranking, else `fallback_ranking`). Without either, the plain `ExitHead`.
-    Heads built from files are cached (keyed by the file's path, size and modification time).
+    adapters file's ranking, else `fallback_ranking`), plus each sequence's own tokens with
+    `context_vocab`. Without adapters or `draft_vocab`, the plain `ExitHead`. Heads built from
+    files are cached (keyed by the file's path, size and modification time).
     """
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
         vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)
-        return DraftHead(lm.model, adapters, vocab)
+        return DraftHead(lm.model, adapters, vocab, context_vocab)
     path = None
     if adapters == "auto":
         path = find_adapters(lm)
@@ -346,12 +385,16 @@ def draft_head(
         except OSError as exc:
             raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
         stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    return _cached_head(lm.model, lm.source, stamp, draft_vocab)
+    return _cached_head(lm.model, lm.source, stamp, draft_vocab, context_vocab)
 
 
 @functools.lru_cache(maxsize=4)  # holds up to four models alive
 def _cached_head(
-    model: Transformer, source: str, stamp: tuple[str, int, int] | None, k: int | None
+    model: Transformer,
+    source: str,
+    stamp: tuple[str, int, int] | None,
+    k: int | None,
+    context_vocab: bool,
 ) -> DraftHead:
     adapters = None if stamp is None else load_adapters(stamp[0], model)
     vocab = None
@@ -361,4 +404,4 @@ def _cached_head(
         else:
             ranking = fallback_ranking(source, model.config.vocab_size)
         vocab = top_tokens(ranking, k)
-    return DraftHead(model, adapters, vocab)
+    return DraftHead(model, adapters, vocab, context_vocab)

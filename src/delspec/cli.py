@@ -101,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         trace=args.trace is not None,
         adapters=None if args.adapters == "none" else args.adapters,
         draft_vocab=args.draft_vocab,
+        context_vocab=not args.no_context_vocab,
         **strategy_options(args),
     )
     if args.trace is not None:
@@ -287,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="draft with only the K most frequent tokens' LM head rows; 'full'; 'auto' "
         "(default): 16384 for del-fast on large vocabularies",
+    )
+    gen.add_argument(
+        "--no-context-vocab",
+        action="store_true",
+        help="do not add the prompt's and reply's own tokens to a pruned draft vocabulary",
     )
     gen.set_defaults(func=cmd_generate)
 

@@ -21,7 +21,7 @@ from delspec.model import Transformer
 from delspec.timing import synchronize
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 
 class LayerCost:

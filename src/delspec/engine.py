@@ -3,9 +3,11 @@
 A round starts from the newest committed token (not yet run through any layer). Drafting runs
 layers [0, E) plus the exit head on it, autoregressively. Verification runs layers [0, E) on the
 last draft token only, then layers [E, L) over every unverified position in one pass, using the
-layer-E states kept from drafting. Acceptance is greedy (longest matching prefix plus the target's
-token) or speculative sampling. The engine knows no policy: it is told the exit layer, the draft
-cap, and asked after each draft token whether to go on.
+layer-E states kept from drafting. E = L drafts from the final layer's own states through the
+exit head; verification is then the full LM head over every unverified position, which pays when
+the exit head is much cheaper (a pruned vocabulary). Acceptance is greedy (longest matching
+prefix plus the target's token) or speculative sampling. The engine knows no policy: it is told
+the exit layer, the draft cap, and asked after each draft token whether to go on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class ExitHead:
     def __init__(self, model: Transformer) -> None:
         self.model = model
 
+    @property
+    def rows(self) -> int:
+        """LM head rows a draft token reads, not counting a sequence's context tokens."""
+        return self.model.config.vocab_size
+
     def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
         """Logits `[tokens, len(vocab)]` of layer `exit_layer`'s states `h`."""
         return self.model.head(h)
@@ -39,6 +46,13 @@ class ExitHead:
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states."""
         return self.model.head(hidden)
+
+    def for_prompt(self, prompt: list[int]) -> ExitHead:
+        """The head for one sequence starting with `prompt` (this one, unless it adapts)."""
+        return self
+
+    def admit(self, tokens: list[int]) -> None:
+        """`tokens` joined the sequence (a head may widen its vocabulary with them)."""
 
 
 @dataclass
@@ -113,7 +127,7 @@ class Engine:
         model, sampling = self.model, self.sampling
         num_layers = model.num_layers
         pos = len(self.tokens) - 1
-        if draft_cap < 1 or not 0 < exit_layer < num_layers:
+        if draft_cap < 1 or not 0 < exit_layer <= num_layers:
             exit_layer, draft_cap = 0, 0
         t0 = time.perf_counter()
         drafted: list[int] = []
@@ -167,13 +181,13 @@ class Engine:
                 accepted, next_token = 0, draw(probs[0], self.generator)
         committed = [*drafted[:accepted], next_token]
         self.tokens.extend(committed)
+        self.exit_head.admit(committed)
         t2 = time.perf_counter()
 
         hidden = None
         if collect:
-            hidden = (
-                torch.stack(deep) if n == 0 else torch.cat([torch.cat(early, 1), torch.stack(deep)])
-            )
+            per_layer = ([torch.cat(early, 1)] if n else []) + ([torch.stack(deep)] if deep else [])
+            hidden = torch.cat(per_layer)
         record = Round(pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden)
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         if self._context is not None:

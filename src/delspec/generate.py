@@ -111,7 +111,7 @@ def decode_tokens(
         )
     sampling = sampling or Sampling()
     eos = tuple(eos_token_ids)
-    head = exit_head or ExitHead(model)
+    head = (exit_head or ExitHead(model)).for_prompt(prompt)
     engine = Engine(model, sampling, eos, head)
     capacity = min(context, len(prompt) + max_new_tokens)
     stats = Stats(prompt_tokens=len(prompt))
@@ -299,6 +299,7 @@ def generate(
     exit_head: ExitHead | None = None,
     adapters: str | os.PathLike | ExitAdapters | None = "auto",
     draft_vocab: int | str | None = "auto",
+    context_vocab: bool = True,
     **strategy_options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` with a decoding strategy (`del-fast` by default).
@@ -312,11 +313,12 @@ def generate(
     Drafts use exit adapters (`adapters`: "auto" = the model's calibration file if it has one,
     a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
     frequent tokens (see `delspec.adapters.draft_head`; "auto" = `FAST_DRAFT_VOCAB` for
-    `del-fast` when the vocabulary is at least twice that, else the full vocabulary), unless
-    `exit_head` is given. Neither changes the output.
+    `del-fast` when the vocabulary is at least twice that, else the full vocabulary) widened by
+    the prompt's and reply's own tokens (`context_vocab`), unless `exit_head` is given. None of
+    them changes the output.
     """
-    if exit_head is not None and (adapters != "auto" or draft_vocab != "auto"):
-        raise ConfigError("pass either exit_head or adapters/draft_vocab, not both")
+    if exit_head is not None and (adapters != "auto" or draft_vocab != "auto" or not context_vocab):
+        raise ConfigError("pass either exit_head or adapters/draft_vocab/context_vocab, not both")
     if draft_vocab == "auto":
         draft_vocab = default_draft_vocab(str(strategy), lm.model.config.vocab_size)
     prompt_ids = encode_prompt(lm, prompt, chat)
@@ -342,7 +344,7 @@ def generate(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         eos_token_ids=lm.eos_token_ids,
-        exit_head=exit_head or draft_head(lm, adapters, draft_vocab),
+        exit_head=exit_head or draft_head(lm, adapters, draft_vocab, context_vocab),
         on_round=on_round,
         trace=trace,
     )

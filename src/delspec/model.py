@@ -46,6 +46,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out if bias is None else out + bias
 
 
+def _prepackable(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN can take this product with a prepacked weight (CPU, float32, no grad)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
 class Linear(nn.Linear):
     """`nn.Linear` computed by `linear`."""
 
@@ -207,6 +218,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embedding.weight
         self.cache: Tensor | None = None  # [layers, 2, kv_heads, length, head_dim]
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
+        self._packed_head: tuple[tuple[int, int], Tensor] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -310,9 +322,24 @@ class Transformer(nn.Module):
 
     def project(self, n: Tensor, weight: Tensor | None = None) -> Tensor:
         """LM head (+ final logit soft-capping) on already normalised states `n`."""
-        logits = linear(n, self.lm_head.weight if weight is None else weight)
+        logits = self._lm_head(n) if weight is None else linear(n, weight)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _lm_head(self, n: Tensor) -> Tensor:
+        """The full LM head. On CPU in float32, more than NARROW_ROWS rows go through a copy of
+        the weight prepacked by oneDNN, whose cost barely grows with the row count: verifying
+        several drafts then reads a large head about once. The copy is made on first use and
+        again whenever the weight changes."""
+        weight = self.lm_head.weight
+        if n.numel() <= NARROW_ROWS * n.shape[-1] or not _prepackable(n, weight):
+            return linear(n, weight)
+        key = (weight.data_ptr(), weight._version)
+        if self._packed_head is None or self._packed_head[0] != key:
+            self._packed_head = None  # free the stale copy first
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2 * NARROW_ROWS)
+            self._packed_head = (key, packed)
+        return torch.ops.mkldnn._linear_pointwise(n, self._packed_head[1], None, "none", [], "")
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
         """Full pass over `ids` at positions `start..`: logits `[tokens, vocab]`."""

@@ -64,12 +64,15 @@ class DelspecBackend:
         model, eos = self.lm.model, self.lm.eos_token_ids
         options = dict(options)
         # Exit-head options: adapters ("auto", a file or "none") and a pruned draft vocabulary
-        # (a size, or "auto" as in `generate`).
+        # (a size, or "auto" as in `generate`; with the context's tokens unless
+        # `context_vocab=false`).
         adapters = options.pop("adapters", "none")
         draft_vocab = options.pop("draft_vocab", None)
+        context_vocab = options.pop("context_vocab", True)
         if draft_vocab == "auto":
             draft_vocab = default_draft_vocab(strategy, model.config.vocab_size)
-        exit_head = draft_head(self.lm, None if adapters == "none" else adapters, draft_vocab)
+        adapters = None if adapters == "none" else adapters
+        exit_head = draft_head(self.lm, adapters, draft_vocab, context_vocab)
         make_policy(strategy, model.num_layers, **options)  # reject bad options now
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:

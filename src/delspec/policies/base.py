@@ -48,9 +48,9 @@ class Policy:
         """Update statistics from a finished round; may annotate `record.extra` for traces."""
 
     def check_exit_layer(self, exit_layer: int) -> int:
-        if not 1 <= exit_layer < self.num_layers:
+        if not 1 <= exit_layer <= self.num_layers:
             raise ConfigError(
-                f"exit layer must be in 1..{self.num_layers - 1} for a {self.num_layers}-layer "
+                f"exit layer must be in 1..{self.num_layers} for a {self.num_layers}-layer "
                 f"model, got {exit_layer}"
             )
         return exit_layer

@@ -32,6 +32,9 @@ class DynamicExit(Policy):
     never run past `max_new_tokens` (the engine caps them); state resets for every prompt.
 
     Beyond the paper (all off by default, so the defaults are the paper's DEL):
+    - with a pruned exit head (a `DraftHead` vocabulary) and the default candidates, the final
+      layer L is a candidate too: its draft skips no layer but replaces the LM head by the
+      pruned one, and verification is the full head over the drafted positions at once.
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
       this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
       caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
@@ -75,6 +78,8 @@ class DynamicExit(Policy):
         if not layers:
             raise ConfigError("DEL needs at least one candidate exit layer")
         self.candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
+        self.base_candidates = list(self.candidates)
+        self.final_exit = candidates is None  # add layer L when the exit head is pruned
         if not 0.0 < omega <= 1.0:
             raise ConfigError(f"omega must be in (0, 1], got {omega}")
         if not 0 <= gamma_min < gamma_max:
@@ -99,11 +104,13 @@ class DynamicExit(Policy):
         self.cap_at_optimum = measured or not dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
-        self.exit_layers = torch.tensor(self.candidates)
         self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
+        final = self.final_exit and exit_head.vocab is not None
+        self.candidates = self.base_candidates + ([self.num_layers] if final else [])
+        self.exit_layers = torch.tensor(self.candidates)
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         self.stats = ExitStatistics(len(self.candidates), self.omega)
@@ -120,12 +127,11 @@ class DynamicExit(Policy):
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         from delspec.loading import cache_dir
 
-        middle = self.candidates[len(self.candidates) // 2]
-        vocab = exit_head.vocab
+        middle = self.base_candidates[len(self.base_candidates) // 2]
         return cached_profile(
             exit_head.model,
             lambda h: exit_head(h, middle),
-            exit_head.model.config.vocab_size if vocab is None else len(vocab),
+            exit_head.rows,
             self.draft_cap + 1,
             cache_dir() / "costs",
         )
