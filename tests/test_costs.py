@@ -141,6 +141,26 @@ def test_the_prior_keeps_a_layer_seen_a_few_times_from_looking_certain():
     assert _policy_with_counts([1, 97, 0], [0, 3, 10]).exit_layer == 5  # prior 1: alpha(2) 0.5
 
 
+def test_a_layer_drafts_only_with_enough_evidence():
+    # layer 2 matched the two positions it was scored at; the others never match
+    assert _policy_with_counts([2, 0, 0], [0, 5, 5], no_draft=True, prior=0).exit_layer == 2
+    policy = _policy_with_counts([2, 0, 0], [0, 5, 5], no_draft=True, prior=0, min_evidence=3)
+    assert policy.plan().draft_cap == 0
+    policy = _policy_with_counts([3, 0, 0], [0, 5, 5], no_draft=True, prior=0, min_evidence=3)
+    assert policy.plan().exit_layer == 2 and policy.plan().draft_cap > 0
+
+
+def test_acceptance_in_runs_drafts_longer():
+    # alpha(8) = 0.9; when accepted tokens are followed by accepted ones 98% of the time, a
+    # longer draft pays more than the independent model says
+    plain = _policy_with_counts([0, 0, 90], [10, 10, 10], prior=0)
+    runs = _policy_with_counts([0, 0, 90], [10, 10, 10], prior=0, runs=True)
+    assert plain.exit_layer == runs.exit_layer == 8
+    runs.stats.after_match[2], runs.stats.continued[2] = 50.0, 49.0
+    runs._choose()
+    assert runs.draft_length > plain.draft_length
+
+
 def test_unscored_rounds_count_the_exit_layers_own_drafts():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))

@@ -37,6 +37,33 @@ def test_decayed_counts_alpha_and_tau_by_hand():
     assert tau[1] == pytest.approx(((0.5 * 1.4 + 1.0) / 2.0) / 2)
 
 
+def test_continuation_counts_pairs_of_valid_neighbours():
+    stats = ExitStatistics(2, omega=0.5)
+    # Row 0: pairs (T,T) (T,F) (F,T) (T,T): 3 after a match, 2 of them continued.
+    # Row 1: the last position is outside the context, so only (T,T) (T,F) (F,F) count.
+    match = torch.tensor([[T, T, F, T, T], [T, T, F, F, T]])
+    valid = torch.tensor([T, T, T, T, T])
+    stats.update(match[:1], torch.ones(1, 5), valid, torch.tensor([0]))
+    stats.update(match[1:], torch.ones(1, 5), torch.tensor([T, T, T, T, F]), torch.tensor([1]))
+    assert stats.after_match.tolist() == [3.0, 2.0]
+    assert stats.continued.tolist() == [2.0, 1.0]
+    assert stats.continuation().tolist() == pytest.approx([2 / 3, 1 / 2])
+    # The prior pulls towards alpha: (2 + alpha) / (3 + 1) with alpha = 4 / (5 + 1).
+    assert stats.continuation(1.0)[0].item() == pytest.approx((2 + 4 / 6) / 4)
+    fresh = ExitStatistics(1)
+    fresh.update(torch.tensor([[T]]), torch.ones(1, 1), torch.tensor([T]))  # no pair yet
+    assert fresh.continuation(1.0).tolist() == fresh.alpha(1.0).tolist() == [0.5]
+
+
+def test_expected_tokens_with_runs():
+    alpha = torch.tensor([0.5, 0.8], dtype=torch.float64)
+    lengths = torch.arange(0, 4)
+    independent = expected_tokens(alpha, lengths)
+    assert expected_tokens(alpha, lengths, alpha).tolist() == independent.tolist()
+    runs = expected_tokens(alpha, lengths, torch.tensor([0.5, 1.0], dtype=torch.float64))
+    assert runs[1].tolist() == pytest.approx([1, 1.8, 2.6, 3.4])  # 1 + 0.8 * (1 + 1 + ...)
+
+
 def test_layer_without_data_is_finite():
     stats = ExitStatistics(3)
     assert stats.alpha().tolist() == [0.0, 0.0, 0.0]

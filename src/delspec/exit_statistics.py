@@ -11,13 +11,16 @@ from torch import Tensor
 
 
 class ExitStatistics:
-    """Decayed match/mismatch counts (A, B) and confidence sums (S+, S-) per candidate layer."""
+    """Decayed match/mismatch counts (A, B) and confidence sums (S+, S-) per candidate layer,
+    and decayed counts of positions after a match (`after_match`) and of those that matched
+    too (`continued`), for acceptance given the previous token's."""
 
     def __init__(self, num_candidates: int, omega: float = 0.95) -> None:
         self.omega = omega
         zeros = torch.zeros(num_candidates, dtype=torch.float64)
         self.matched, self.mismatched = zeros.clone(), zeros.clone()
         self.confidence_matched, self.confidence_mismatched = zeros.clone(), zeros.clone()
+        self.after_match, self.continued = zeros.clone(), zeros.clone()
 
     def update(
         self, match: Tensor, confidence: Tensor, valid: Tensor, rows: Tensor | None = None
@@ -30,11 +33,14 @@ class ExitStatistics:
         hit = (match & valid).double()
         miss = (~match & valid).double()
         confidence = confidence.double()
+        after = match[:, :-1] & valid[:-1] & valid[1:]  # pairs of valid neighbours
         for name, add in (
             ("matched", hit.sum(1)),
             ("mismatched", miss.sum(1)),
             ("confidence_matched", (confidence * hit).sum(1)),
             ("confidence_mismatched", (confidence * miss).sum(1)),
+            ("after_match", after.double().sum(1)),
+            ("continued", (after & match[:, 1:]).double().sum(1)),
         ):
             values = getattr(self, name)
             values[rows] = w * values[rows] + add
@@ -48,6 +54,15 @@ class ExitStatistics:
         """
         total = self.matched + self.mismatched + prior
         return torch.where(total > 0, self.matched / total.clamp_min(1e-300), 0.0)
+
+    def continuation(self, prior: float = 0.0) -> Tensor:
+        """Estimated acceptance of a token right after an accepted one, shrunk towards alpha
+        by `prior` pseudo-pairs: (continued + prior * alpha) / (after_match + prior); alpha for a
+        layer without such pairs (then tokens count as independent, as in the paper)."""
+        alpha = self.alpha(prior)
+        total = self.after_match + prior
+        shrunk = (self.continued + prior * alpha) / total.clamp_min(1e-300)
+        return torch.where(total > 0, shrunk, alpha)
 
     def threshold(self) -> Tensor:
         """tau: midpoint of the mean confidence of matched and of mismatched shadow tokens.
@@ -67,11 +82,17 @@ class ExitStatistics:
         return (high + low) / 2
 
 
-def expected_tokens(alpha: Tensor, draft_lengths: Tensor) -> Tensor:
-    """`[candidates, lengths]`: 1 + a + ... + a^d, the expected tokens of a round drafting d."""
+def expected_tokens(
+    alpha: Tensor, draft_lengths: Tensor, continuation: Tensor | None = None
+) -> Tensor:
+    """`[candidates, lengths]`: the expected tokens of a round drafting d, 1 + a + ... + a^d
+    when draft tokens are accepted independently (the paper), or 1 + a (1 + c + ... + c^(d-1))
+    when each one after the first is accepted with probability c given its predecessor was."""
     top = int(draft_lengths.max()) if draft_lengths.numel() else 0
-    powers = alpha.double()[:, None] ** torch.arange(top + 1, dtype=torch.float64)
-    return powers.cumsum(1)[:, draft_lengths]
+    ratio = alpha if continuation is None else continuation
+    powers = ratio.double()[:, None] ** torch.arange(top, dtype=torch.float64)
+    runs = torch.cat([torch.zeros_like(powers[:, :1]), powers.cumsum(1)], 1)
+    return 1 + alpha.double()[:, None] * runs[:, draft_lengths]
 
 
 def best_plan(value: Tensor) -> tuple[int, int]:

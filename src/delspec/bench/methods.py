@@ -51,8 +51,8 @@ METHODS: dict[str, MethodSpec] = {
         "del-fast",
         {"adapters": "auto", "draft_vocab": "auto"},
         description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
-        "rounds, 1% shadow budget, pruned draft vocabulary and calibrated adapters where they "
-        "apply",
+        "rounds, 1% shadow budget, acceptance in runs, pruned draft vocabulary with the "
+        "context's tokens and the final layer, calibrated adapters where they apply",
     ),
     "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
     "static-sweep": MethodSpec(

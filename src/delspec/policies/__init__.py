@@ -9,10 +9,13 @@ from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
-# DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, and shadow
-# work bounded to ~1% of round time. No warm-up window: the prompt's last tokens (often a chat
-# template) say little about the continuation, and scoring them costs ~1% of a short reply.
-FAST_DEL = dict(cost="measured", no_draft=True, shadow_budget=0.01, warmup=0)
+# DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, shadow work
+# bounded to ~1% of round time, acceptance in runs, and drafting only from layers seen at 3+
+# positions. The first round scores 8 prompt positions (once, not charged to the budget) so
+# that a layer worth drafting from is known from the start of a short reply.
+FAST_DEL = dict(
+    cost="measured", no_draft=True, shadow_budget=0.01, warmup=8, runs=True, min_evidence=3
+)
 # del-fast drafts with the LM-head rows of this many most frequent tokens (when the vocabulary
 # is at least twice as large): drafting and shadow tokens then cost a fraction of the full head.
 FAST_DRAFT_VOCAB = 16384

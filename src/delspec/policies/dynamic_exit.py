@@ -43,6 +43,11 @@ class DynamicExit(Policy):
       promise `margin` (default 5%) more tokens per second than a plain step, or the round is
       plain: estimates from a few positions are noisy, and a wrong draft costs more than a
       right one gains.
+    - `min_evidence=n`: a layer drafts only once its (decayed) statistics cover n positions, so
+      one lucky match at a cheap layer cannot start drafts that are then rejected.
+    - `runs=True`: acceptances come in runs (a token after an accepted one is easier), so the
+      expected tokens of a draft use each layer's acceptance given the previous token's
+      (`ExitStatistics.continuation`) after the first draft token, not alpha for every one.
     - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
       every layer's statistics still update from that step, so drafting resumes once it pays.
       Round 0 is then a plain step too (scored at the candidates), not a one-token draft.
@@ -72,6 +77,8 @@ class DynamicExit(Policy):
         shadow_budget: float | None = None,
         prior: float | None = None,
         margin: float | None = None,
+        runs: bool = False,
+        min_evidence: float = 0.0,
     ) -> None:
         super().__init__(num_layers)
         layers = candidates if candidates is not None else list(range(1, num_layers))
@@ -98,7 +105,10 @@ class DynamicExit(Policy):
         if prior < 0 or margin < 0:
             raise ConfigError(f"prior and margin must be >= 0, got {prior}, {margin}")
         self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
-        self.prior, self.margin = prior, margin
+        if min_evidence < 0:
+            raise ConfigError(f"min_evidence must be >= 0, got {min_evidence}")
+        self.prior, self.margin, self.runs = prior, margin, runs
+        self.min_evidence = min_evidence
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
         # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
         self.cap_at_optimum = measured or not dynamic_draft
@@ -231,9 +241,13 @@ class DynamicExit(Policy):
     def _choose(self) -> None:
         alpha = self.stats.alpha(self.prior)
         self.alpha_trace = [round(a, 4) for a in alpha.tolist()]  # for traces, once per update
-        value = expected_tokens(alpha, self.draft_lengths) / self.cost.grid(
+        continuation = self.stats.continuation(self.prior) if self.runs else None
+        value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
             self.exit_layers, self.draft_lengths
         )
+        if self.min_evidence and self.plain_column is not None:
+            unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
+            value[unproven] = value[unproven, self.plain_column][:, None]
         row, column = best_plan(value)
         plain = self.plain_column
         if (
