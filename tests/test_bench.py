@@ -303,3 +303,15 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):
+    args = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", "static:E=2,d=2")
+    assert bench(tiny_dir, tmp_path / "out", *args, "--repeats", "3") == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["settings"]["repeats"] == 3
+    # still one record per method and prompt, lossless, with the median time
+    assert [r["method"] for r in results["records"]] == ["ar", "static:E=2,d=2"]
+    assert all(r["lossless"] and r["wall_s"] > 0 for r in results["records"])
+    assert bench(tiny_dir, tmp_path / "bad", *args, "--repeats", "0") == 2
+    assert "repeats must be >= 1" in capsys.readouterr().err

@@ -190,6 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts,
         max_new_tokens=args.max_new_tokens,
         command=shlex.join(["delspec", *args.argv]),
+        repeats=args.repeats,
     )
     paths = write_report(result, args.out)
     print("\n".join(summary_lines(result)))
@@ -325,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every method N times per prompt (rotated) and keep the median time",
+    )
     bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     bench.set_defaults(func=cmd_bench)

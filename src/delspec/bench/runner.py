@@ -1,9 +1,11 @@
 """Running a benchmark: every method on every prompt, interleaved, checked against `ar`.
 
-For each prompt every method runs once, in an order rotated by one place per prompt, so that a
-drift of the machine's speed falls on all methods alike. Each method first runs one short
-untimed generation (warm-up). `static-sweep` methods first time every (E, d) of their grid on
-each task's calibration prompts (interleaved the same way) and keep the fastest per task.
+For each prompt every method runs `repeats` times, in an order rotated by one place per prompt
+and per repeat, so that a drift of the machine's speed falls on all methods alike; a record's
+time is the median over its repeats (its output and statistics are the first run's). Each
+method first runs one short untimed generation (warm-up). `static-sweep` methods first time
+every (E, d) of their grid on each task's calibration prompts (interleaved the same way) and
+keep the fastest per task.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import datetime
 import os
 import platform
 import shlex
+import statistics
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -140,6 +143,7 @@ def run_bench(
     max_new_tokens: int = 128,
     progress: bool = True,
     command: str | None = None,
+    repeats: int = 1,
 ) -> BenchResult:
     """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`.
 
@@ -151,6 +155,8 @@ def run_bench(
         raise ConfigError(f"the first method must be {REFERENCE!r}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     environment = run_environment(lm, command)
     tasks = prompt_set.tasks
     encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
@@ -161,7 +167,7 @@ def run_bench(
     grids = {m.label: _sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not calibration.get(task) for task in tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
-    runs = len(encoded) * len(methods)
+    runs = len(encoded) * len(methods) * repeats
     runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
     bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
 
@@ -195,16 +201,25 @@ def run_bench(
     records: list[dict[str, Any]] = []
     traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
     for index, (prompt, ids) in enumerate(encoded.items()):
-        outputs: dict[str, tuple[Output, float, int]] = {}
-        for turn, method in enumerate(_rotated(methods, index)):
-            bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
-            output, seconds = timed(generators[method.label][prompt.task], ids, max_new_tokens)
-            outputs[method.label] = (output, seconds, turn)
-            bar.update()
+        firsts: dict[str, tuple[Output, int]] = {}
+        times: dict[str, list[float]] = {m.label: [] for m in methods}
+        for repeat in range(repeats):
+            for turn, method in enumerate(_rotated(methods, index + repeat)):
+                bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
+                generate = generators[method.label][prompt.task]
+                output, seconds = timed(generate, ids, max_new_tokens)
+                times[method.label].append(seconds)
+                firsts.setdefault(method.label, (output, turn))
+                bar.update()
+        outputs = {
+            label: (output, statistics.median(times[label]), turn)
+            for label, (output, turn) in firsts.items()
+        }
+        for label, (output, _) in firsts.items():
             if output.layers and output.trace and "alpha" in output.trace[-1]:
-                best = traced.get(method.label)
+                best = traced.get(label)
                 if best is None or len(output.trace) > len(best[1].trace or ()):
-                    traced[method.label] = (prompt, output)
+                    traced[label] = (prompt, output)
         records += _records(lm, prompt, len(ids), methods, outputs)
     bar.close()
 
@@ -215,6 +230,7 @@ def run_bench(
             "tasks": tasks,
             "max_new_tokens": max_new_tokens,
             "prompts": len(encoded),
+            "repeats": repeats,
             "calibration_held_out": prompt_set.held_out,
             "warmup_tokens": WARMUP_TOKENS,
         },

@@ -11,10 +11,10 @@ from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDr
 
 # DEL with the CPU/stock-checkpoint improvements: measured costs, no-draft rounds, shadow work
 # bounded to ~1% of round time, acceptance in runs, and drafting only from layers seen at 3+
-# positions. The first round scores 8 prompt positions (once, not charged to the budget) so
+# positions. The first round scores 4 prompt positions (once, not charged to the budget) so
 # that a layer worth drafting from is known from the start of a short reply.
 FAST_DEL = dict(
-    cost="measured", no_draft=True, shadow_budget=0.01, warmup=8, runs=True, min_evidence=3
+    cost="measured", no_draft=True, shadow_budget=0.01, warmup=4, runs=True, min_evidence=3
 )
 # del-fast drafts with the LM-head rows of this many most frequent tokens (when the vocabulary
 # is at least twice as large): drafting and shadow tokens then cost a fraction of the full head.
