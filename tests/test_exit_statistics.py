@@ -194,6 +194,7 @@ def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
         ("static", dict(exit_layer=2, draft_length=0), "draft length must be >= 1"),
         ("del", dict(candidates=[2, 9]), "exit layer must be in 1..6"),
         ("del", dict(omega=0.0), "omega must be in"),
+        ("del", dict(min_evidence=-1), "min_evidence must be >= 0"),
         ("dv", dict(exit_layer=2, threshold=1.5), "threshold must be in"),
         ("nope", dict(), "unknown strategy 'nope'"),
         ("static", dict(bogus=1), "unexpected keyword argument 'bogus'"),

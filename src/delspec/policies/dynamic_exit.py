@@ -102,11 +102,12 @@ class DynamicExit(Policy):
         measured = cost == "measured"
         prior = (1.0 if measured else 0.0) if prior is None else prior
         margin = (0.05 if measured and no_draft else 0.0) if margin is None else margin
-        if prior < 0 or margin < 0:
-            raise ConfigError(f"prior and margin must be >= 0, got {prior}, {margin}")
+        if min(prior, margin, min_evidence) < 0:
+            raise ConfigError(
+                f"prior, margin and min_evidence must be >= 0, got {prior}, {margin}, "
+                f"{min_evidence}"
+            )
         self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
-        if min_evidence < 0:
-            raise ConfigError(f"min_evidence must be >= 0, got {min_evidence}")
         self.prior, self.margin, self.runs = prior, margin, runs
         self.min_evidence = min_evidence
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
