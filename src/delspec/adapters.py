@@ -290,7 +290,8 @@ class DraftHead(ExitHead):
         self.weight = weight if vocab is None else weight[self.vocab].contiguous()
         self.context_vocab = context_vocab and vocab is not None
         self.extra = weight[:0]  # LM head rows of the context tokens outside `vocab`
-        self._members: set[int] = set()  # token ids with a column, for a sequence's head
+        # token ids with a column: the pruned vocabulary's, then a sequence's context tokens
+        self._members = set(self.vocab.tolist()) if self.context_vocab else set()
         self.adapted: frozenset[int] = frozenset()
         if adapters is not None and adapters.layers:
             num_layers, rank, hidden = model.num_layers, adapters.rank, model.config.hidden_size
@@ -330,13 +331,15 @@ class DraftHead(ExitHead):
         if not self.context_vocab:
             return self
         head = copy.copy(self)
-        head._members = set(self.vocab.tolist())
+        head._members = set(self._members)
         head.admit(prompt)
         return head
 
     def admit(self, tokens: list[int]) -> None:
+        if not self.context_vocab:
+            return
         new = [t for t in dict.fromkeys(tokens) if t not in self._members]
-        if not self.context_vocab or not new:
+        if not new:
             return
         self._members.update(new)
         ids = torch.tensor(new, device=self.vocab.device)

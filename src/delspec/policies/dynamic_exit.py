@@ -84,9 +84,9 @@ class DynamicExit(Policy):
         layers = candidates if candidates is not None else list(range(1, num_layers))
         if not layers:
             raise ConfigError("DEL needs at least one candidate exit layer")
-        self.candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
-        self.base_candidates = list(self.candidates)
-        self.final_exit = candidates is None  # add layer L when the exit head is pruned
+        # `start` adds layer L to the default candidates when the exit head is pruned.
+        self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
+        self.final_exit = candidates is None
         if not 0.0 < omega <= 1.0:
             raise ConfigError(f"omega must be in (0, 1], got {omega}")
         if not 0 <= gamma_min < gamma_max:
