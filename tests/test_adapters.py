@@ -25,7 +25,7 @@ from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.generate import decode_tokens
+from delspec.generate import decode_tokens, generate
 from delspec.loading import LoadedModel
 from delspec.policies import STRATEGIES, make_policy
 from delspec.sampling import Sampling
@@ -218,13 +218,14 @@ def test_drafting_from_the_final_layer_through_a_pruned_head_is_lossless(model, 
     assert 0 < got.stats.accepted < got.stats.drafted
 
 
-def test_del_adds_the_final_layer_only_with_a_pruned_head(model, adapters):
+def test_del_adds_the_final_layer_only_with_a_cheaper_draft(model, adapters):
     num_layers = model.num_layers
     middle = list(range(1, num_layers))
     for head, expected in [
         (ExitHead(model), middle),
         (DraftHead(model, adapters), middle),
         (DraftHead(model, adapters, top_tokens(adapters.ranking, 16)), [*middle, num_layers]),
+        (ExitHead(model, int8=True), [*middle, num_layers]),
     ]:
         policy = make_policy("del", num_layers)
         policy.start(head)
@@ -314,3 +315,10 @@ def test_cli_calibrates_and_generate_finds_the_file(tmp_path, capsys):
         assert main(generate + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1]
+
+
+def test_generate_takes_an_exit_head_or_the_options_that_build_one(model, tmp_path):
+    lm = fake_lm(model, tmp_path / "tiny.gguf")
+    for options in ({"int8_draft": True}, {"draft_vocab": 8}, {"context_vocab": False}):
+        with pytest.raises(ConfigError, match="not both"):
+            generate(lm, [1, 2, 3], exit_head=ExitHead(model), **options)

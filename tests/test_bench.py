@@ -294,7 +294,11 @@ def test_parse_methods():
     ]
     assert methods[3].spec.sweep and methods[0].name == "ar"
     (path,) = parse_methods("ar,del-fast:adapters=/tmp/a/x.safetensors,draft_vocab=8")[1:]
-    assert dict(path.options) == {"adapters": "/tmp/a/x.safetensors", "draft_vocab": 8}
+    assert dict(path.options) == {
+        "adapters": "/tmp/a/x.safetensors",
+        "draft_vocab": 8,
+        "int8_draft": "auto",
+    }
     with pytest.raises(ConfigError, match="comes before any method"):
         parse_methods("E=3,del")
 

@@ -52,6 +52,21 @@ def test_generate_json_and_trace(smollm2, tmp_path, capsys):
     assert sum(r["committed"] for r in rounds) == stats["new_tokens"]
 
 
+def test_int8_drafts_from_the_command_line_match_ar(smollm2, capsys):
+    common = ["generate", "def fibonacci(n):", "--max-new-tokens", "16", "--json"]
+    assert main([*common, "--strategy", "ar"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    for switch in ("on", "off"):
+        argv = [*common, "--strategy", "static", "--exit-layer", "30", "--int8-draft", switch]
+        assert main(argv) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == expected["token_ids"] and got["stats"]["drafted"] > 0
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--int8-draft", "maybe"])
+    assert exit_info.value.code == 2
+    assert "expected on, off or auto, got 'maybe'" in capsys.readouterr().err
+
+
 def test_generate_streams_text_and_a_summary(smollm2, capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
     captured = capsys.readouterr()

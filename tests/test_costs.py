@@ -20,8 +20,16 @@ EXITS = torch.tensor([2, 5, 8])
 LENGTHS = torch.arange(0, 6)
 
 
-def profile(layer, head, draft_head=0.001):
-    return CostProfile(layer=layer, head=head, draft_head=draft_head, key="test", measured_at=0)
+def profile(layer, head, draft_head=0.001, draft_layer=None, int8=False):
+    return CostProfile(
+        layer=layer,
+        head=head,
+        draft_layer=layer[0] if draft_layer is None else draft_layer,
+        draft_head=draft_head,
+        int8=int8,
+        key="test",
+        measured_at=0,
+    )
 
 
 def choose(alpha, cost):
@@ -39,6 +47,15 @@ def test_measured_cost_by_hand():
     assert grid[:, 0].tolist() == [10.5] * 3
     # E = 5, d = 2: 2 * (5 * 1.0 + 0.25) + 5 * 1.0 + 5 * layer(3 tokens) 2.0 + head 0.5
     assert grid[1, 2].item() == pytest.approx(10.5 + 5 + 10 + 0.5)
+
+
+def test_measured_cost_of_int8_drafts_by_hand():
+    layer = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    cost = MeasuredCost(profile(layer, [0.5] * 6, 0.25, draft_layer=0.3, int8=True), LAYERS)
+    grid = cost.grid(EXITS, LENGTHS)
+    assert grid[:, 0].tolist() == [10.5] * 3  # a plain step is the same
+    # E = 5, d = 2: 2 * (5 * 0.3 + 0.25) + all 10 layers over 3 tokens (2.0 each) + head 0.5
+    assert grid[1, 2].item() == pytest.approx(3.5 + 20 + 0.5)
 
 
 def test_verification_that_is_not_free_makes_no_draft_best():
@@ -77,28 +94,33 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
     assert plain[0]["alpha"] != plain[-1]["alpha"]
 
 
+class CountingHead(ExitHead):
+    calls = 0
+
+    def __call__(self, h, exit_layer):
+        CountingHead.calls += 1
+        return super().__call__(h, exit_layer)
+
+
 def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path):
-    model = tiny_model(seed=0)
-    head = ExitHead(model)
-    calls = []
-
-    def draft(h):
-        calls.append(1)
-        return head(h, 2)
-
-    first = cached_profile(model, draft, 64, 4, tmp_path)
+    head = CountingHead(tiny_model(seed=0))
+    first = cached_profile(head, 2, 4, tmp_path)
     assert len(first.layer) == 4 and all(t > 0 for t in first.layer + first.head)
-    measured = len(calls)
-    again = cached_profile(model, draft, 64, 4, tmp_path)
-    assert len(calls) == measured and again == first
+    assert first.draft_layer > 0 and not first.int8
+    measured = CountingHead.calls
+    again = cached_profile(head, 2, 4, tmp_path)
+    assert CountingHead.calls == measured and again == first
     path = next(tmp_path.glob("profile-*.json"))
     data = json.loads(path.read_text())
     data["measured_at"] = time.time() - 30 * 24 * 3600
     path.write_text(json.dumps(data))
-    cached_profile(model, draft, 64, 4, tmp_path)
-    assert len(calls) > measured  # a month-old profile is measured again
+    cached_profile(head, 2, 4, tmp_path)
+    assert CountingHead.calls > measured  # a month-old profile is measured again
     path.write_text("{not json")
-    assert cached_profile(model, draft, 64, 4, tmp_path).key == first.key
+    assert cached_profile(head, 2, 4, tmp_path).key == first.key
+    # int8 drafts are another setting: a profile of their own
+    int8 = cached_profile(ExitHead(head.model, int8=True), 2, 4, tmp_path)
+    assert int8.int8 and int8.key != first.key and len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_shadow_budget_bounds_policy_work_and_stays_lossless():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.engine import Round
+from delspec.engine import ExitHead, Round
 from delspec.generate import decode_tokens
 from delspec.policies import STRATEGIES, make_policy
 
@@ -24,32 +24,37 @@ def test_every_strategy_is_covered():
     assert set(POLICIES) | {"ar"} == set(STRATEGIES)
 
 
-def run(model, prompt, strategy, max_new, eos=(), **options):
+def run(model, prompt, strategy, max_new, eos=(), int8=False, **options):
     policy = make_policy(strategy, model.num_layers, **options)
     records: list[Round] = []
     observe = policy.observe
     policy.observe = lambda record: (records.append(record), observe(record))[-1]
-    out = decode_tokens(model, prompt, policy, max_new_tokens=max_new, eos_token_ids=eos)
+    head = ExitHead(model, int8) if int8 else None
+    out = decode_tokens(
+        model, prompt, policy, max_new_tokens=max_new, eos_token_ids=eos, exit_head=head
+    )
     return out, records
 
 
 @pytest.mark.parametrize("strategy", sorted(POLICIES))
 @pytest.mark.parametrize("shallow", [None, 2])
-def test_greedy_matches_autoregressive(strategy, shallow):
+@pytest.mark.parametrize("int8", [False, True])
+def test_greedy_matches_autoregressive(strategy, shallow, int8):
     for seed in range(6):
         model = tiny_model(seed=seed, shallow=shallow)
         gen = torch.Generator().manual_seed(100 + seed)
         for prompt_len, max_new in [(1, 9), (5, 33), (37, 20)]:
             prompt = torch.randint(0, 64, (prompt_len,), generator=gen).tolist()
             expected, _ = run(model, prompt, "ar", max_new)
-            got, records = run(model, prompt, strategy, max_new, **POLICIES[strategy])
+            got, records = run(model, prompt, strategy, max_new, (), int8, **POLICIES[strategy])
             assert got.token_ids == expected.token_ids, (seed, prompt_len, max_new)
             assert len(got.token_ids) == max_new
             assert sum(len(r.tokens) for r in records) == max_new
 
 
 @pytest.mark.parametrize("strategy", sorted(POLICIES))
-def test_all_acceptance_paths_are_exercised(strategy):
+@pytest.mark.parametrize("int8", [False, True])
+def test_all_acceptance_paths_are_exercised(strategy, int8):
     """Near-identity later layers: drafts are often accepted, so every path of a round runs."""
     seen = {"multi_accept": 0, "all_accepted_bonus": 0, "rejection": 0, "budget_cut": 0}
     for seed in range(8):
@@ -57,7 +62,7 @@ def test_all_acceptance_paths_are_exercised(strategy):
         prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         max_new = 23 + seed
         expected, _ = run(model, prompt, "ar", max_new)
-        got, records = run(model, prompt, strategy, max_new, **POLICIES[strategy])
+        got, records = run(model, prompt, strategy, max_new, (), int8, **POLICIES[strategy])
         assert got.token_ids == expected.token_ids
         for r in records:
             n = len(r.drafted)
@@ -71,7 +76,8 @@ def test_all_acceptance_paths_are_exercised(strategy):
 
 
 @pytest.mark.parametrize("strategy", sorted(POLICIES))
-def test_eos_inside_a_draft_ends_output_like_autoregressive(strategy):
+@pytest.mark.parametrize("int8", [False, True])
+def test_eos_inside_a_draft_ends_output_like_autoregressive(strategy, int8):
     hits = 0
     for seed in range(8):
         model = tiny_model(seed=seed, shallow=2, residual_scale=0.1)
@@ -80,7 +86,7 @@ def test_eos_inside_a_draft_ends_output_like_autoregressive(strategy):
         eos = (free.token_ids[12],)  # a token the model produces mid-sequence
         expected, _ = run(model, prompt, "ar", 30, eos)
         assert expected.token_ids[-1] == eos[0] and expected.finish_reason == "stop"
-        got, records = run(model, prompt, strategy, 30, eos, **POLICIES[strategy])
+        got, records = run(model, prompt, strategy, 30, eos, int8, **POLICIES[strategy])
         assert got.token_ids == expected.token_ids
         assert got.finish_reason == "stop"
         last = records[-1]
@@ -95,3 +101,19 @@ def test_context_end_stops_with_length():
     got, _ = run(model, prompt, "del", 50)
     assert len(expected.token_ids) == 10 and expected.finish_reason == "length"
     assert got.token_ids == expected.token_ids
+
+
+def test_int8_drafts_leave_the_exact_cache_behind():
+    """Verification after int8 drafts rewrites every layer's keys and values: the cache of the
+    committed positions equals that of plain decoding, to float64 rounding."""
+    model = tiny_model(seed=4, shallow=2, residual_scale=0.3)
+    prompt = list(range(7))
+    expected, _ = run(model, prompt, "ar", 30)
+    ar_cache = model.cache.clone()
+    got, records = run(model, prompt, "static", 30, (), True, exit_layer=2, draft_length=4)
+    assert got.token_ids == expected.token_ids
+    assert any(0 < r.accepted < len(r.drafted) for r in records)  # rejected drafts too
+    committed = len(prompt) + 30 - 1  # the last token is never run through the model
+    torch.testing.assert_close(
+        model.cache[..., :committed, :], ar_cache[..., :committed, :], rtol=0, atol=1e-12
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -9,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from delspec.architectures import config_from_hf
 from delspec.errors import ContextLengthError, ModelFormatError
-from delspec.model import NARROW_ROWS, build_model, linear
+from delspec.model import NARROW_ROWS, PACKED_ROWS, Int8Weight, Linear, build_model, linear
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -152,3 +154,45 @@ def test_lm_head_over_many_rows_matches_and_follows_weight_changes():
         model.lm_head.weight.mul_(-2)  # a prepacked copy must not outlive the weight it copies
         expected = model.norm(h).double() @ model.lm_head.weight.double().T
         torch.testing.assert_close(model.head(h).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, PACKED_ROWS.start, PACKED_ROWS.stop - 1, PACKED_ROWS.stop])
+def test_layer_products_match_at_every_size_and_follow_weight_changes(rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(48, 40, bias=True).requires_grad_(False)
+    layer.weight.copy_(torch.randn(40, 48, generator=gen))
+    x = torch.randn(rows, 48, generator=gen)
+    with torch.inference_mode():
+        for _ in range(2):  # the second time, after the weight changed under its copies
+            expected = x.double() @ layer.weight.double().T + layer.bias.double()
+            torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+            layer.weight.mul_(-2)
+
+
+def test_int8_products_are_close_and_their_copies_follow_the_weight():
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(256, 96, bias=False).requires_grad_(False)
+    layer.weight.copy_(torch.randn(96, 256, generator=gen))
+    x = torch.randn(3, 256, generator=gen)
+    for _ in range(2):
+        exact = x @ layer.weight.T
+        approx = layer(x, int8=True)
+        assert approx.dtype == x.dtype and approx.shape == exact.shape
+        error = (approx - exact).norm() / exact.norm()
+        assert 0 < error < 0.02  # int8 weights, bfloat16 activations: close, not exact
+        assert isinstance(layer.int8_weight(), Int8Weight)
+        assert layer.int8_weight().weight.dtype == torch.int8
+        layer.weight.mul_(-3)
+
+
+def test_models_with_derived_weight_copies_can_be_copied():
+    model = tiny_model(seed=5, dtype=torch.float32)
+    ids = torch.arange(6)
+    with torch.inference_mode():
+        model.setup_cache(8)
+        logits = model(ids)  # six rows: packed copies on CPU
+        model.make_int8_copies()
+    twin = copy.deepcopy(model)
+    with torch.inference_mode():
+        twin.setup_cache(8)
+        torch.testing.assert_close(twin(ids), logits)

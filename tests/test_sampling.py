@@ -55,23 +55,25 @@ def exact_distribution(model, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "strategy,options,draft_vocab",
+    "strategy,options,draft_vocab,int8",
     [
-        ("ar", {}, None),
-        ("static", dict(exit_layer=2, draft_length=2), None),
-        ("del", {}, None),
+        ("ar", {}, None, False),
+        ("static", dict(exit_layer=2, draft_length=2), None, False),
+        ("del", {}, None, False),
         # The final layer through a pruned head (tokens 0 and 3, plus the context's own).
-        ("static", dict(exit_layer=-1, draft_length=2), [0, 3]),
+        ("static", dict(exit_layer=-1, draft_length=2), [0, 3], False),
+        ("static", dict(exit_layer=2, draft_length=2), None, True),
     ],
 )
-def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab):
+def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab, int8):
     model = tiny_model(seed=7, shallow=2, residual_scale=0.3, vocab_size=VOCAB)
     prompt = [1, 4, 2]
     settings = dict(temperature=0.9, top_k=5)
     exact = exact_distribution(model, prompt, Sampling(**settings))
     if options.get("exit_layer") == -1:
         options = {**options, "exit_layer": model.num_layers}
-    head = None if draft_vocab is None else DraftHead(model, vocab=torch.tensor(draft_vocab))
+    vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
+    head = DraftHead(model, vocab=vocab, int8=int8)
     counts: Counter = Counter()
     drafted = 0
     for seed in range(SAMPLES):

@@ -29,7 +29,7 @@ from torch import Tensor
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.loading import NAMED_MODELS, LoadedModel, cache_dir, named_model_path
-from delspec.model import Transformer
+from delspec.model import Int8Weight, Transformer
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"
@@ -282,12 +282,13 @@ class DraftHead(ExitHead):
         adapters: ExitAdapters | None = None,
         vocab: Tensor | None = None,
         context_vocab: bool = True,
+        int8: bool = False,
     ) -> None:
-        super().__init__(model)
         device, dtype = model.device, model.dtype
         weight = model.lm_head.weight
         self.vocab = None if vocab is None else vocab.to(device)
         self.weight = weight if vocab is None else weight[self.vocab].contiguous()
+        super().__init__(model, int8, self.weight)
         self.context_vocab = context_vocab and vocab is not None
         self.extra = weight[:0]  # LM head rows of the context tokens outside `vocab`
         # token ids with a column: the pruned vocabulary's, then a sequence's context tokens
@@ -308,21 +309,21 @@ class DraftHead(ExitHead):
         n = self.model.norm(h)
         if exit_layer in self.adapted:
             n = adapt(n, self.down[exit_layer], self.up[exit_layer])
-        return self._project(n)
+        return self._project(n, self.draft_weight)
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         n = self.model.norm(hidden)
         if self.adapted.intersection(exit_layers):
             down, up = self._stacked(exit_layers)
             n = n + torch.bmm(torch.bmm(n, down), up)
-        return self._project(n)
+        return self._project(n, self.weight)
 
     @property
     def rows(self) -> int:
         return len(self.weight)
 
-    def _project(self, n: Tensor) -> Tensor:
-        logits = self.model.project(n, self.weight)
+    def _project(self, n: Tensor, weight: Tensor | Int8Weight) -> Tensor:
+        logits = self.model.project(n, weight)
         if not len(self.extra):
             return logits
         return torch.cat([logits, self.model.project(n, self.extra)], -1)
@@ -361,26 +362,28 @@ def draft_head(
     adapters: AdapterSource = "auto",
     draft_vocab: int | None = None,
     context_vocab: bool = True,
+    int8: bool = False,
 ) -> ExitHead:
     """The exit head `generate` drafts with.
 
     `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
     a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
     adapters file's ranking, else `fallback_ranking`), plus each sequence's own tokens with
-    `context_vocab`. Without adapters or `draft_vocab`, the plain `ExitHead`. Heads built from
-    files are cached (keyed by the file's path, size and modification time).
+    `context_vocab`. `int8` drafts on int8 weights (`ExitHead`). Without adapters or
+    `draft_vocab`, the plain `ExitHead`. Heads built from files are cached (keyed by the file's
+    path, size and modification time).
     """
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
         vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)
-        return DraftHead(lm.model, adapters, vocab, context_vocab)
+        return DraftHead(lm.model, adapters, vocab, context_vocab, int8)
     path = None
     if adapters == "auto":
         path = find_adapters(lm)
     elif adapters is not None:
         path = Path(adapters)
     if path is None and draft_vocab is None:
-        return ExitHead(lm.model)
+        return ExitHead(lm.model, int8)
     stamp = None
     if path is not None:
         try:
@@ -388,7 +391,7 @@ def draft_head(
         except OSError as exc:
             raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
         stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    return _cached_head(lm.model, lm.source, stamp, draft_vocab, context_vocab)
+    return _cached_head(lm.model, lm.source, stamp, draft_vocab, context_vocab, int8)
 
 
 @functools.lru_cache(maxsize=4)  # holds up to four models alive
@@ -398,6 +401,7 @@ def _cached_head(
     stamp: tuple[str, int, int] | None,
     k: int | None,
     context_vocab: bool,
+    int8: bool,
 ) -> DraftHead:
     adapters = None if stamp is None else load_adapters(stamp[0], model)
     vocab = None
@@ -407,4 +411,4 @@ def _cached_head(
         else:
             ranking = fallback_ranking(source, model.config.vocab_size)
         vocab = top_tokens(ranking, k)
-    return DraftHead(model, adapters, vocab, context_vocab)
+    return DraftHead(model, adapters, vocab, context_vocab, int8)

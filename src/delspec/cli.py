@@ -57,6 +57,13 @@ def _draft_vocab(text: str) -> int | str | None:
         ) from None
 
 
+def _switch(text: str) -> bool | str:
+    choices = {"on": True, "off": False, "auto": "auto"}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
+    return choices[text]
+
+
 def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
     """The strategy keyword arguments given on the command line."""
     options = {"exit_layer": args.exit_layer, "draft_length": args.draft_length}
@@ -102,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         adapters=None if args.adapters == "none" else args.adapters,
         draft_vocab=args.draft_vocab,
         context_vocab=not args.no_context_vocab,
+        int8_draft=args.int8_draft,
         **strategy_options(args),
     )
     if args.trace is not None:
@@ -294,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-context-vocab",
         action="store_true",
         help="do not add the prompt's and reply's own tokens to a pruned draft vocabulary",
+    )
+    gen.add_argument(
+        "--int8-draft",
+        type=_switch,
+        default="auto",
+        help="draft on int8 copies of the weights: on, off, or 'auto' (default): on for del-fast",
     )
     gen.set_defaults(func=cmd_generate)
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from delspec.model import Transformer
+from delspec.engine import ExitHead
 from delspec.timing import synchronize
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 
 
 class LayerCost:
@@ -43,12 +43,15 @@ class CostProfile:
     """Seconds measured for this model on one device/dtype/thread setting.
 
     `layer[k - 1]`: k new tokens through one layer (after a context); `head[k - 1]`: k rows
-    through the full LM head; `draft_head`: one row through the draft head.
+    through the full LM head; `draft_layer`: one token through one layer as drafts run it (on
+    int8 weights when `int8`); `draft_head`: one row through the draft head.
     """
 
     layer: list[float]
     head: list[float]
+    draft_layer: float
     draft_head: float
+    int8: bool
     key: str
     measured_at: float
     version: int = PROFILE_VERSION
@@ -57,9 +60,10 @@ class CostProfile:
 class MeasuredCost:
     """Round cost in seconds from a `CostProfile`, plus a per-round policy overhead.
 
-    Drafting d tokens with exit layer l costs d * (l * layer(1) + draft_head); verification
+    Drafting d tokens with exit layer l costs d * (l * draft_layer + draft_head). Verification
     runs the last draft token through layers [0, l) and d + 1 positions through [l, L) and the
-    full head. d = 0 is a plain step: L * layer(1) + head(1).
+    full head; after int8 drafts, d + 1 positions through every layer and the full head. d = 0
+    is a plain step: L * layer(1) + head(1).
     """
 
     name = "measured"
@@ -76,35 +80,40 @@ class MeasuredCost:
         k = (draft_lengths + 1).clamp(max=len(p.layer)) - 1  # index of d + 1 new tokens
         e = exit_layers[:, None].double()
         d = draft_lengths[None, :].double()
-        draft = d * (e * layer[0] + p.draft_head)
-        verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
+        draft = d * (e * p.draft_layer + p.draft_head)
+        rerun = e if p.int8 else torch.zeros_like(e)  # early layers verified over d + 1 tokens
+        early = (e - rerun) * layer[0] + rerun * layer[k][None, :]
+        verify = early + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
         return draft + verify + self.overhead
 
 
-def profile_key(model: Transformer, draft_vocab: int) -> str:
-    """Identifies what a profile was measured for: model shape, device, dtype, threads."""
-    cfg = model.config
+def profile_key(exit_head: ExitHead) -> str:
+    """Identifies what a profile was measured for: model shape, device, dtype, threads, and the
+    draft head's size and weights."""
+    model = exit_head.model
     parts = [
-        repr(cfg),
+        repr(model.config),
         str(model.device),
         str(model.dtype),
         str(torch.get_num_threads()),
         torch.__version__,
-        str(draft_vocab),
+        str(exit_head.rows),
+        "int8" if exit_head.int8 else "exact",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def measure_profile(
-    model: Transformer,
-    draft_head: Callable[[Tensor], Tensor],
-    draft_vocab: int,
+    exit_head: ExitHead,
+    exit_layer: int,
     max_tokens: int,
     context: int = 128,
     repeats: int = 5,
 ) -> CostProfile:
-    """Time the primitives a round is made of, for 1..max_tokens new tokens."""
-    cfg = model.config
+    """Time the primitives a round is made of, for 1..max_tokens new tokens; drafts through
+    `exit_head` as exit layer `exit_layer`."""
+    model = exit_head.model
+    cfg, int8 = model.config, exit_head.int8
     total = min(cfg.max_position, context + max_tokens + 1)
     context = total - max_tokens - 1
     model.setup_cache(total)
@@ -132,26 +141,27 @@ def measure_profile(
             layers.append(seconds(lambda h=h: model.run_layers(h, context, 0, cfg.num_layers)))
             heads.append(seconds(lambda h=h: model.head(h)))
         one = states[:1]
-        draft = seconds(lambda: draft_head(one))
+        layers_as_drafted = seconds(
+            lambda: model.run_layers(one, context, 0, cfg.num_layers, None, int8)
+        )
+        draft = seconds(lambda: exit_head(one, exit_layer))
     return CostProfile(
         layer=[t / cfg.num_layers for t in layers],
         head=heads,
+        draft_layer=layers_as_drafted / cfg.num_layers,
         draft_head=draft,
-        key=profile_key(model, draft_vocab),
+        int8=int8,
+        key=profile_key(exit_head),
         measured_at=time.time(),
     )
 
 
 def cached_profile(
-    model: Transformer,
-    draft_head: Callable[[Tensor], Tensor],
-    draft_vocab: int,
-    max_tokens: int,
-    directory: Path,
+    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
 ) -> CostProfile:
-    """The profile for this model and setting from `directory`, measured again when missing,
-    older than a week, or measured for fewer tokens."""
-    key = profile_key(model, draft_vocab)
+    """The profile for this model, setting and draft head from `directory`, measured again when
+    missing, older than a week, or measured for fewer tokens."""
+    key = profile_key(exit_head)
     path = directory / f"profile-{key}.json"
     try:
         profile = CostProfile(**json.loads(path.read_text()))
@@ -161,10 +171,11 @@ def cached_profile(
     except (OSError, ValueError, TypeError):
         pass
     print(
-        f"delspec: measuring decode costs on {model.device} (once; cached in {directory})",
+        f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
+        f"{directory})",
         file=sys.stderr,
     )
-    profile = measure_profile(model, draft_head, draft_vocab, max_tokens)
+    profile = measure_profile(exit_head, exit_layer, max_tokens)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(profile)))

@@ -5,9 +5,12 @@ layers [0, E) plus the exit head on it, autoregressively. Verification runs laye
 last draft token only, then layers [E, L) over every unverified position in one pass, using the
 layer-E states kept from drafting. E = L drafts from the final layer's own states through the
 exit head; verification is then the full LM head over every unverified position, which pays when
-the exit head is much cheaper (a pruned vocabulary). Acceptance is greedy (longest matching
-prefix plus the target's token) or speculative sampling. The engine knows no policy: it is told
-the exit layer, the draft cap, and asked after each draft token whether to go on.
+the exit head is much cheaper (a pruned vocabulary). With an int8 exit head (`ExitHead.int8`),
+drafts run layers [0, E) on int8 weight copies; their states and cache entries are approximate,
+so verification runs every layer over every unverified position (their cache entries are then
+rewritten exactly). Acceptance is greedy (longest matching prefix plus the target's token) or
+speculative sampling. The engine knows no policy: it is told the exit layer, the draft cap, and
+asked after each draft token whether to go on.
 """
 
 from __future__ import annotations
@@ -19,20 +22,31 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from delspec.model import Transformer
+from delspec.model import Int8Weight, Transformer
 from delspec.sampling import Sampling, draw, speculative_accept
 
 
 class ExitHead:
-    """Logits of an early exit: final norm + LM head over a vocabulary (all rows by default).
+    """How drafts are made: logits of an early exit (final norm + LM head over a vocabulary, all
+    rows by default), and whether drafts run on int8 weights.
 
-    Subclasses may restrict `vocab` (token id of each logit column) or transform the exit state.
+    With `int8`, draft layers and this head's own product use `Int8Weight` copies (shadow tokens,
+    scored on exact states, do not). Subclasses may restrict `vocab` (token id of each logit
+    column) or transform the exit state.
     """
 
     vocab: Tensor | None = None
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(
+        self, model: Transformer, int8: bool = False, weight: Tensor | None = None
+    ) -> None:
+        """`weight`: the LM head rows drafts project onto (None: the whole head)."""
         self.model = model
+        self.int8 = int8
+        self.draft_weight: Tensor | Int8Weight | None = weight
+        if int8:
+            self.draft_weight = Int8Weight(model.lm_head.weight if weight is None else weight)
+            model.make_int8_copies()
 
     @property
     def rows(self) -> int:
@@ -41,7 +55,7 @@ class ExitHead:
 
     def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
         """Logits `[tokens, len(vocab)]` of layer `exit_layer`'s states `h`."""
-        return self.model.head(h)
+        return self.model.head(h, self.draft_weight)
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states."""
@@ -135,10 +149,13 @@ class Engine:
         draft_probs: list[Tensor] = []
         states: list[Tensor] = []
         early: list[Tensor] = []  # per draft step: [E, 1, hidden]
+        int8 = self.exit_head.int8
         token = self.tokens[-1]
         for step in range(draft_cap):
-            layers: list[Tensor] | None = [] if collect else None
-            h = model.run_layers(model.embed(self._ids([token])), pos + step, 0, exit_layer, layers)
+            layers: list[Tensor] | None = [] if collect and not int8 else None
+            h = model.run_layers(
+                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8
+            )
             states.append(h)
             if layers is not None:
                 early.append(torch.stack(layers))
@@ -155,8 +172,9 @@ class Engine:
 
         n = len(drafted)
         deep: list[Tensor] | None = [] if collect else None
-        if n == 0:
-            h = model.run_layers(model.embed(self._ids([token])), pos, 0, num_layers, deep)
+        if n == 0 or int8:  # every layer over the round's input and its drafts
+            inputs = self._ids([self.tokens[-1], *drafted])
+            h = model.run_layers(model.embed(inputs), pos, 0, num_layers, deep)
         else:
             last: list[Tensor] | None = [] if collect else None
             h_last = model.run_layers(
@@ -186,8 +204,8 @@ class Engine:
 
         hidden = None
         if collect:
-            per_layer = ([torch.cat(early, 1)] if n else []) + ([torch.stack(deep)] if deep else [])
-            hidden = torch.cat(per_layer)
+            per_layer = [torch.cat(early, 1)] if early else []
+            hidden = torch.cat(per_layer + ([torch.stack(deep)] if deep else []))
         record = Round(pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden)
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         if self._context is not None:

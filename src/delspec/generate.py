@@ -16,7 +16,13 @@ from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import DEFAULT_STRATEGY, Policy, default_draft_vocab, make_policy
+from delspec.policies import (
+    DEFAULT_STRATEGY,
+    Policy,
+    default_draft_vocab,
+    default_int8_draft,
+    make_policy,
+)
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -300,6 +306,7 @@ def generate(
     adapters: str | os.PathLike | ExitAdapters | None = "auto",
     draft_vocab: int | str | None = "auto",
     context_vocab: bool = True,
+    int8_draft: bool | str = "auto",
     **strategy_options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` with a decoding strategy (`del-fast` by default).
@@ -314,13 +321,19 @@ def generate(
     a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
     frequent tokens (see `delspec.adapters.draft_head`; "auto" = `FAST_DRAFT_VOCAB` for
     `del-fast` when the vocabulary is at least twice that, else the full vocabulary) widened by
-    the prompt's and reply's own tokens (`context_vocab`), unless `exit_head` is given. None of
-    them changes the output.
+    the prompt's and reply's own tokens (`context_vocab`), and run on int8 copies of the weights
+    (`int8_draft`; "auto" = for `del-fast`), unless `exit_head` is given. None of them changes
+    the output.
     """
-    if exit_head is not None and (adapters != "auto" or draft_vocab != "auto" or not context_vocab):
-        raise ConfigError("pass either exit_head or adapters/draft_vocab/context_vocab, not both")
+    head_options = (adapters, draft_vocab, context_vocab, int8_draft)
+    if exit_head is not None and head_options != ("auto", "auto", True, "auto"):
+        raise ConfigError(
+            "pass either exit_head or adapters/draft_vocab/context_vocab/int8_draft, not both"
+        )
     if draft_vocab == "auto":
         draft_vocab = default_draft_vocab(str(strategy), lm.model.config.vocab_size)
+    if int8_draft == "auto":
+        int8_draft = default_int8_draft(str(strategy))
     prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (
@@ -344,7 +357,7 @@ def generate(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         eos_token_ids=lm.eos_token_ids,
-        exit_head=exit_head or draft_head(lm, adapters, draft_vocab, context_vocab),
+        exit_head=exit_head or draft_head(lm, adapters, draft_vocab, context_vocab, int8_draft),
         on_round=on_round,
         trace=trace,
     )

@@ -1,15 +1,17 @@
 """A layer-addressable decoder-only transformer with a static, position-indexed KV cache.
 
-Primitives only: `embed`, `run_layers` over any contiguous layer range, and `head` (final norm +
-LM head). Batch size is 1 and hidden states are `[tokens, hidden]`. Writing position p into the
-cache overwrites whatever was there, and attention at p sees exactly positions 0..p, so rejected
-draft positions never need cropping.
+Primitives only: `embed`, `run_layers` over any contiguous layer range (optionally on int8 copies
+of the weights, for drafts), and `head` (final norm + LM head). Batch size is 1 and hidden states
+are `[tokens, hidden]`. Writing position p into the cache overwrites whatever was there, and
+attention at p sees exactly positions 0..p, so rejected draft positions never need cropping.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,10 @@ from delspec.errors import ContextLengthError, ModelFormatError
 # measured, and decoding is bound by streaming the weights. Up to twice as many rows run as two
 # such products, which still beats the general kernel. See `linear`.
 NARROW_ROWS = 4
+# Float32 CPU products of this many rows go through a weight copy prepacked by oneDNN
+# (`Linear`): measured faster than `linear` from three rows on, for layers and LM heads alike.
+# Longer products (prefills) are compute-bound and stay with `F.linear`.
+PACKED_ROWS = range(3, 33)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -57,11 +63,66 @@ def _prepackable(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` computed by `linear`."""
+class Int8Weight:
+    """A weight-only int8 copy of a linear weight: symmetric, one scale per output row.
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    Products take bfloat16 activations (the fast path of `torch._weight_int8pack_mm` on CPU and
+    GPU) and return the input's dtype. A quarter of float32's bytes, so a memory-bound product
+    runs several times faster; results are approximate, which is all a draft needs.
+    """
+
+    def __init__(self, weight: Tensor) -> None:
+        w = weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.weight = (w / scale[:, None]).round().to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` computed by `linear`, with two derived copies of the weight made on first use
+    (and again whenever the weight changes):
+
+    - on CPU in float32, products of `PACKED_ROWS` rows go through a copy prepacked by oneDNN,
+      whose cost barely grows with the row count: verifying several tokens then reads the
+      weights about once (`linear` reads them once per NARROW_ROWS rows). This doubles the
+      float32 weights' memory once such a product has run;
+    - `forward(x, int8=True)` uses an `Int8Weight` copy (drafts only).
+    """
+
+    def forward(self, x: Tensor, int8: bool = False) -> Tensor:
+        if int8:
+            out = self.int8_weight()(x)
+            return out if self.bias is None else out + self.bias
+        if x.numel() // x.shape[-1] not in PACKED_ROWS or not _prepackable(x, self.weight):
+            return linear(x, self.weight, self.bias)
+        packed = self._copy("packed", _prepack)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def int8_weight(self) -> Int8Weight:
+        """The int8 copy of the weight (made now if missing or stale)."""
+        return self._copy("int8", Int8Weight)
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles leave the derived copies out
+        return {k: v for k, v in self.__dict__.items() if k != "_copies"}
+
+    def _copy(self, kind: str, make: Callable[[Tensor], Any]) -> Any:
+        copies = self.__dict__.setdefault("_copies", {})
+        weight = self.weight  # inference tensors have no version counter (nor in-place edits)
+        key = (weight.device, weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        cached = copies.get(kind)
+        if cached is None or cached[0] != key:
+            copies.pop(kind, None)  # free the stale copy first
+            cached = copies[kind] = (key, make(self.weight.detach()))
+        return cached[1]
+
+
+def _prepack(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 2 * NARROW_ROWS)
 
 
 class RMSNorm(nn.Module):
@@ -151,9 +212,10 @@ class Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
+        int8: bool = False,
     ) -> Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(x, int8).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim).transpose(0, 1)
         k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -169,8 +231,12 @@ class Attention(nn.Module):
         q = q.reshape(self.num_kv_heads, group * n, self.head_dim)
         if mask is not None and group > 1:
             mask = mask.repeat(group, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        return self.o(out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+        # 4-D inputs take the fused CPU kernel (3-D ones the slower reference path).
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, scale=self.scale
+        )
+        out = out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1)
+        return self.o(out, int8)
 
 
 class MLP(nn.Module):
@@ -180,10 +246,10 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gelu = config.spec.activation == "gelu_tanh"
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+    def forward(self, x: Tensor, int8: bool = False) -> Tensor:
+        gate, up = self.gate_up(x, int8).chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down(gate * up)
+        return self.down(gate * up, int8)
 
 
 class Block(nn.Module):
@@ -197,10 +263,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.post_mlp_norm = rms_norm(config, dim) if sandwich else None
 
-    def forward(self, x, start, cache, cos, sin, mask) -> Tensor:
-        a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask)
+    def forward(self, x, start, cache, cos, sin, mask, int8=False) -> Tensor:
+        a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask, int8)
         x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
-        m = self.mlp(self.mlp_norm(x))
+        m = self.mlp(self.mlp_norm(x), int8)
         return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
@@ -218,7 +284,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embedding.weight
         self.cache: Tensor | None = None  # [layers, 2, kv_heads, length, head_dim]
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
-        self._packed_head: tuple[tuple[int, int], Tensor] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -235,6 +300,12 @@ class Transformer(nn.Module):
     @property
     def cache_length(self) -> int:
         return 0 if self.cache is None else self.cache.shape[3]
+
+    def make_int8_copies(self) -> None:
+        """Make every layer's int8 weight copies now, rather than in the first int8 run."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.int8_weight()
 
     def setup_cache(self, length: int) -> None:
         """Allocate (or reuse, if large enough) a KV cache for positions 0..length-1."""
@@ -290,11 +361,13 @@ class Transformer(nn.Module):
         first: int,
         last: int,
         collect: list[Tensor] | None = None,
+        int8: bool = False,
     ) -> Tensor:
         """Run layers `[first, last)` on the states of positions `start..start+len(h)-1`.
 
         Writes those positions' keys and values into each layer's cache. If `collect` is a list,
-        every layer's output is appended to it.
+        every layer's output is appended to it. `int8` runs the layers' products on int8 copies
+        of their weights (`Int8Weight`): approximate states and cache entries, for drafts only.
         """
         n = h.shape[0]
         if self.cache is None or start + n > self.cache_length:
@@ -311,35 +384,25 @@ class Transformer(nn.Module):
         for i in range(first, last):
             sliding = cfg.is_sliding(i)
             cos, sin = ropes[sliding]
-            h = self.layers[i](h, start, self.cache[i], cos, sin, masks[sliding])
+            h = self.layers[i](h, start, self.cache[i], cos, sin, masks[sliding], int8)
             if collect is not None:
                 collect.append(h)
         return h
 
-    def head(self, h: Tensor, weight: Tensor | None = None) -> Tensor:
+    def head(self, h: Tensor, weight: Tensor | Int8Weight | None = None) -> Tensor:
         """Final norm + LM head -> logits. `weight` may be a row subset of the LM head."""
         return self.project(self.norm(h), weight)
 
-    def project(self, n: Tensor, weight: Tensor | None = None) -> Tensor:
+    def project(self, n: Tensor, weight: Tensor | Int8Weight | None = None) -> Tensor:
         """LM head (+ final logit soft-capping) on already normalised states `n`."""
-        logits = self._lm_head(n) if weight is None else linear(n, weight)
+        if weight is None:
+            logits = self.lm_head(n)
+        elif isinstance(weight, Int8Weight):
+            logits = weight(n)
+        else:
+            logits = linear(n, weight)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def _lm_head(self, n: Tensor) -> Tensor:
-        """The full LM head. On CPU in float32, more than NARROW_ROWS rows go through a copy of
-        the weight prepacked by oneDNN, whose cost barely grows with the row count: verifying
-        several drafts then reads a large head about once. The copy is made on first use and
-        again whenever the weight changes."""
-        weight = self.lm_head.weight
-        if n.numel() <= NARROW_ROWS * n.shape[-1] or not _prepackable(n, weight):
-            return linear(n, weight)
-        key = (weight.data_ptr(), weight._version)
-        if self._packed_head is None or self._packed_head[0] != key:
-            self._packed_head = None  # free the stale copy first
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2 * NARROW_ROWS)
-            self._packed_head = (key, packed)
-        return torch.ops.mkldnn._linear_pointwise(n, self._packed_head[1], None, "none", [], "")
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:
         """Full pass over `ids` at positions `start..`: logits `[tokens, vocab]`."""

@@ -30,6 +30,12 @@ def default_draft_vocab(strategy: str, vocab_size: int) -> int | None:
     return FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
 
 
+def default_int8_draft(strategy: str) -> bool:
+    """Whether `int8_draft="auto"` drafts on int8 weights: for `del-fast`, whose cost model
+    weighs the cheaper drafts against verifying every layer again."""
+    return strategy == "del-fast"
+
+
 STRATEGIES: dict[str, Any] = {
     "del": DynamicExit,
     "dele": lambda num_layers, **kw: DynamicExit(num_layers, dynamic_draft=False, **kw),
@@ -61,5 +67,6 @@ __all__ = [
     "Plan",
     "Policy",
     "default_draft_vocab",
+    "default_int8_draft",
     "make_policy",
 ]

@@ -32,9 +32,10 @@ class DynamicExit(Policy):
     never run past `max_new_tokens` (the engine caps them); state resets for every prompt.
 
     Beyond the paper (all off by default, so the defaults are the paper's DEL):
-    - with a pruned exit head (a `DraftHead` vocabulary) and the default candidates, the final
-      layer L is a candidate too: its draft skips no layer but replaces the LM head by the
-      pruned one, and verification is the full head over the drafted positions at once.
+    - with a pruned exit head (a `DraftHead` vocabulary) or int8 drafts (`ExitHead.int8`) and
+      the default candidates, the final layer L is a candidate too: its draft skips no layer but
+      runs a cheaper copy of the model (pruned LM head, int8 weights), and verification is one
+      pass over the drafted positions.
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
       this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
       caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
@@ -119,7 +120,7 @@ class DynamicExit(Policy):
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
-        final = self.final_exit and exit_head.vocab is not None
+        final = self.final_exit and (exit_head.vocab is not None or exit_head.int8)
         self.candidates = self.base_candidates + ([self.num_layers] if final else [])
         self.exit_layers = torch.tensor(self.candidates)
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
@@ -139,13 +140,7 @@ class DynamicExit(Policy):
         from delspec.loading import cache_dir
 
         middle = self.base_candidates[len(self.base_candidates) // 2]
-        return cached_profile(
-            exit_head.model,
-            lambda h: exit_head(h, middle),
-            exit_head.rows,
-            self.draft_cap + 1,
-            cache_dir() / "costs",
-        )
+        return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
 
     def plan(self) -> Plan:
         if self.warm:  # round 0: the paper drafts one token with the first candidate
