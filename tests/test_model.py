@@ -10,8 +10,18 @@ from tiny_models import tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from delspec.architectures import config_from_hf
-from delspec.errors import ContextLengthError, ModelFormatError
-from delspec.model import NARROW_ROWS, PACKED_ROWS, Int8Weight, Linear, build_model, linear
+from delspec.engine import ExitHead
+from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
+from delspec.model import (
+    NARROW_ROWS,
+    PACKED_ROWS,
+    Int8Weight,
+    Linear,
+    build_model,
+    int8_supported,
+    linear,
+)
+from delspec.policies import default_int8_draft
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -196,3 +206,21 @@ def test_models_with_derived_weight_copies_can_be_copied():
     with torch.inference_mode():
         twin.setup_cache(8)
         torch.testing.assert_close(twin(ids), logits)
+
+
+def test_devices_without_int8_products_fall_back_or_refuse(monkeypatch):
+    def unsupported(*args):
+        raise NotImplementedError("no int8 kernel here")
+
+    model = tiny_model(seed=0)
+    int8_supported.cache_clear()
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", unsupported)
+    try:
+        assert not default_int8_draft("del-fast", model.device)  # "auto": full precision
+        with pytest.raises(ConfigError, match="int8 drafts are not supported on cpu"):
+            ExitHead(model, int8=True)
+    finally:
+        int8_supported.cache_clear()
+    monkeypatch.undo()
+    assert default_int8_draft("del-fast", model.device)
+    assert not default_int8_draft("del", model.device)

@@ -81,9 +81,10 @@ class MeasuredCost:
         e = exit_layers[:, None].double()
         d = draft_lengths[None, :].double()
         draft = d * (e * p.draft_layer + p.draft_head)
-        rerun = e if p.int8 else torch.zeros_like(e)  # early layers verified over d + 1 tokens
-        early = (e - rerun) * layer[0] + rerun * layer[k][None, :]
-        verify = early + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
+        if p.int8:  # every layer again over the d + 1 positions
+            verify = self.num_layers * layer[k][None, :] + head[k][None, :]
+        else:
+            verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
         return draft + verify + self.overhead
 
 

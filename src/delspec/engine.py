@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from delspec.model import Int8Weight, Transformer
+from delspec.errors import ConfigError
+from delspec.model import Int8Weight, Transformer, int8_supported
 from delspec.sampling import Sampling, draw, speculative_accept
 
 
@@ -44,6 +45,11 @@ class ExitHead:
         self.model = model
         self.int8 = int8
         self.draft_weight: Tensor | Int8Weight | None = weight
+        if int8 and not int8_supported(model.device):
+            raise ConfigError(
+                f"int8 drafts are not supported on {model.device} by this torch build; "
+                "draft in full precision (int8_draft=False, --int8-draft off)"
+            )
         if int8:
             self.draft_weight = Int8Weight(model.lm_head.weight if weight is None else weight)
             model.make_int8_copies()

@@ -333,7 +333,7 @@ def generate(
     if draft_vocab == "auto":
         draft_vocab = default_draft_vocab(str(strategy), lm.model.config.vocab_size)
     if int8_draft == "auto":
-        int8_draft = default_int8_draft(str(strategy))
+        int8_draft = default_int8_draft(str(strategy), lm.model.device)
     prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (

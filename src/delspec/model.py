@@ -8,6 +8,7 @@ attention at p sees exactly positions 0..p, so rejected draft positions never ne
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -81,6 +82,16 @@ class Int8Weight:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@functools.cache
+def int8_supported(device: torch.device) -> bool:
+    """Whether this torch build runs `Int8Weight` products on `device` (a tiny trial)."""
+    try:
+        Int8Weight(torch.ones(8, 64, device=device))(torch.ones(1, 64, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class Linear(nn.Linear):

@@ -73,7 +73,7 @@ class DelspecBackend:
         if draft_vocab == "auto":
             draft_vocab = default_draft_vocab(strategy, model.config.vocab_size)
         if int8 == "auto":
-            int8 = default_int8_draft(strategy)
+            int8 = default_int8_draft(strategy, model.device)
         adapters = None if adapters == "none" else adapters
         exit_head = draft_head(self.lm, adapters, draft_vocab, context_vocab, int8)
         make_policy(strategy, model.num_layers, **options)  # reject bad options now

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from delspec.errors import ConfigError
+from delspec.model import int8_supported
 from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
@@ -30,10 +33,10 @@ def default_draft_vocab(strategy: str, vocab_size: int) -> int | None:
     return FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
 
 
-def default_int8_draft(strategy: str) -> bool:
+def default_int8_draft(strategy: str, device: torch.device) -> bool:
     """Whether `int8_draft="auto"` drafts on int8 weights: for `del-fast`, whose cost model
-    weighs the cheaper drafts against verifying every layer again."""
-    return strategy == "del-fast"
+    weighs the cheaper drafts against verifying every layer again, where the device runs them."""
+    return strategy == "del-fast" and int8_supported(device)
 
 
 STRATEGIES: dict[str, Any] = {
