@@ -322,3 +322,11 @@ def test_generate_takes_an_exit_head_or_the_options_that_build_one(model, tmp_pa
     for options in ({"int8_draft": True}, {"draft_vocab": 8}, {"context_vocab": False}):
         with pytest.raises(ConfigError, match="not both"):
             generate(lm, [1, 2, 3], exit_head=ExitHead(model), **options)
+
+
+def test_auto_draft_options_follow_the_strategy(model, tmp_path):
+    lm = fake_lm(model, tmp_path / "no-sidecar")
+    fast = draft_head(lm, None, "auto", True, "auto", "del-fast")
+    assert fast.int8 and fast.vocab is None  # 64 tokens: too few to prune
+    paper = draft_head(lm, None, "auto", True, "auto", "del")
+    assert not paper.int8 and paper.vocab is None

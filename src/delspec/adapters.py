@@ -30,6 +30,7 @@ from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.loading import NAMED_MODELS, LoadedModel, cache_dir, named_model_path
 from delspec.model import Int8Weight, Transformer
+from delspec.policies import DEFAULT_STRATEGY, default_draft_vocab, default_int8_draft
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"
@@ -360,19 +361,25 @@ class DraftHead(ExitHead):
 def draft_head(
     lm: LoadedModel,
     adapters: AdapterSource = "auto",
-    draft_vocab: int | None = None,
+    draft_vocab: int | str | None = None,
     context_vocab: bool = True,
-    int8: bool = False,
+    int8: bool | str = False,
+    strategy: str = DEFAULT_STRATEGY,
 ) -> ExitHead:
     """The exit head `generate` drafts with.
 
     `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
     a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
     adapters file's ranking, else `fallback_ranking`), plus each sequence's own tokens with
-    `context_vocab`. `int8` drafts on int8 weights (`ExitHead`). Without adapters or
-    `draft_vocab`, the plain `ExitHead`. Heads built from files are cached (keyed by the file's
-    path, size and modification time).
+    `context_vocab`. `int8` drafts on int8 weights (`ExitHead`). `draft_vocab` and `int8` may be
+    "auto": what `strategy` drafts with by default (`default_draft_vocab`,
+    `default_int8_draft`). Without adapters or a draft vocabulary, the plain `ExitHead`. Heads
+    built from files are cached (keyed by the file's path, size and modification time).
     """
+    if draft_vocab == "auto":
+        draft_vocab = default_draft_vocab(strategy, lm.model.config.vocab_size)
+    if int8 == "auto":
+        int8 = default_int8_draft(strategy, lm.model.device)
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
         vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)

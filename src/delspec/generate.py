@@ -16,13 +16,7 @@ from delspec.adapters import ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import (
-    DEFAULT_STRATEGY,
-    Policy,
-    default_draft_vocab,
-    default_int8_draft,
-    make_policy,
-)
+from delspec.policies import DEFAULT_STRATEGY, Policy, make_policy
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -330,10 +324,6 @@ def generate(
         raise ConfigError(
             "pass either exit_head or adapters/draft_vocab/context_vocab/int8_draft, not both"
         )
-    if draft_vocab == "auto":
-        draft_vocab = default_draft_vocab(str(strategy), lm.model.config.vocab_size)
-    if int8_draft == "auto":
-        int8_draft = default_int8_draft(str(strategy), lm.model.device)
     prompt_ids = encode_prompt(lm, prompt, chat)
     sampling = Sampling(temperature, top_k, top_p, seed)
     policy = (
@@ -357,7 +347,8 @@ def generate(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         eos_token_ids=lm.eos_token_ids,
-        exit_head=exit_head or draft_head(lm, adapters, draft_vocab, context_vocab, int8_draft),
+        exit_head=exit_head
+        or draft_head(lm, adapters, draft_vocab, context_vocab, int8_draft, policy.name),
         on_round=on_round,
         trace=trace,
     )

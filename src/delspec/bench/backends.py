@@ -21,7 +21,7 @@ from delspec.adapters import draft_head
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
 from delspec.loading import LoadedModel, converted_checkpoint
-from delspec.policies import default_draft_vocab, default_int8_draft, make_policy
+from delspec.policies import make_policy
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
 
@@ -70,12 +70,8 @@ class DelspecBackend:
         draft_vocab = options.pop("draft_vocab", None)
         context_vocab = options.pop("context_vocab", True)
         int8 = options.pop("int8_draft", False)
-        if draft_vocab == "auto":
-            draft_vocab = default_draft_vocab(strategy, model.config.vocab_size)
-        if int8 == "auto":
-            int8 = default_int8_draft(strategy, model.device)
         adapters = None if adapters == "none" else adapters
-        exit_head = draft_head(self.lm, adapters, draft_vocab, context_vocab, int8)
+        exit_head = draft_head(self.lm, adapters, draft_vocab, context_vocab, int8, strategy)
         make_policy(strategy, model.num_layers, **options)  # reject bad options now
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
