@@ -264,8 +264,9 @@ def top_tokens(ranking: Tensor, k: int) -> Tensor:
 
 def adapt(n: Tensor, down: Tensor, up: Tensor) -> Tensor:
     """An exit adapter on normalised states `n [..., hidden]`: `n + up(down(n))`, with
-    `down [rank, hidden]` and `up [hidden, rank]`."""
-    return n + (n @ down.T) @ up.T
+    `down [rank, hidden]` and `up [hidden, rank]` (or a batch of layers: `n [layers, ..., hidden]`
+    with `down [layers, rank, hidden]`, `up [layers, hidden, rank]`)."""
+    return n + (n @ down.mT) @ up.mT
 
 
 class DraftHead(ExitHead):
@@ -315,8 +316,7 @@ class DraftHead(ExitHead):
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         n = self.model.norm(hidden)
         if self.adapted.intersection(exit_layers):
-            down, up = self._stacked(exit_layers)
-            n = n + torch.bmm(torch.bmm(n, down), up)
+            n = adapt(n, *self._stacked(exit_layers))
         return self._project(n, self.weight)
 
     @property
@@ -349,12 +349,10 @@ class DraftHead(ExitHead):
         self.extra = torch.cat([self.extra, self.model.lm_head.weight[ids]])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
-        """The listed layers' adapters, transposed for `n @ down @ up` over a layer batch."""
+        """The listed layers' adapters (`down`, `up`), stacked for a layer batch."""
         if self._stack is None or self._stack[0] != exit_layers:
             index = torch.tensor(exit_layers, device=self.down.device)
-            down = self.down[index].transpose(1, 2).contiguous()
-            up = self.up[index].transpose(1, 2).contiguous()
-            self._stack = (list(exit_layers), down, up)
+            self._stack = (list(exit_layers), self.down[index], self.up[index])
         return self._stack[1], self._stack[2]
 
 

@@ -45,14 +45,20 @@ class ExitHead:
         self.model = model
         self.int8 = int8
         self.draft_weight: Tensor | Int8Weight | None = weight
-        if int8 and not int8_supported(model.device):
-            raise ConfigError(
-                f"int8 drafts are not supported on {model.device} by this torch build; "
-                "draft in full precision (int8_draft=False, --int8-draft off)"
-            )
         if int8:
+            if not int8_supported(model.device):
+                raise ConfigError(
+                    f"int8 drafts are not supported on {model.device} by this torch build; "
+                    "draft in full precision (int8_draft=False, --int8-draft off)"
+                )
             self.draft_weight = Int8Weight(model.lm_head.weight if weight is None else weight)
             model.make_int8_copies()
+
+    @property
+    def cheaper_at_final_layer(self) -> bool:
+        """Whether a draft from the final layer costs less than a plain step (a pruned
+        vocabulary or int8 weights); otherwise it would be the plain step itself."""
+        return self.vocab is not None or self.int8
 
     @property
     def rows(self) -> int:

@@ -85,7 +85,7 @@ class DynamicExit(Policy):
         layers = candidates if candidates is not None else list(range(1, num_layers))
         if not layers:
             raise ConfigError("DEL needs at least one candidate exit layer")
-        # `start` adds layer L to the default candidates when the exit head is pruned.
+        # `start` adds layer L to the default candidates when the head drafts it cheaply.
         self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
         self.final_exit = candidates is None
         if not 0.0 < omega <= 1.0:
@@ -120,7 +120,7 @@ class DynamicExit(Policy):
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
-        final = self.final_exit and (exit_head.vocab is not None or exit_head.int8)
+        final = self.final_exit and exit_head.cheaper_at_final_layer
         self.candidates = self.base_candidates + ([self.num_layers] if final else [])
         self.exit_layers = torch.tensor(self.candidates)
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
