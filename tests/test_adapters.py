@@ -20,6 +20,7 @@ from delspec.adapters import (
     load_adapters,
     save_adapters,
     top_tokens,
+    vocabulary_sizes,
 )
 from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
@@ -27,7 +28,7 @@ from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.generate import decode_tokens, generate
 from delspec.loading import LoadedModel
-from delspec.policies import STRATEGIES, make_policy
+from delspec.policies import STRATEGIES, default_draft_vocab, make_policy
 from delspec.sampling import Sampling
 
 OPTIONS = {
@@ -165,6 +166,69 @@ def test_draft_vocabulary_bounds():
         top_tokens(torch.arange(VOCAB), VOCAB + 1)
 
 
+def test_draft_vocabulary_sizes():
+    assert vocabulary_sizes(None, 100) is None
+    assert vocabulary_sizes(10, 100) == (10,)
+    assert vocabulary_sizes(100, 100) == (100,)  # one size: that many rows, even all
+    assert vocabulary_sizes([40, 10, None, 10], 100) == (10, 40, None)
+    assert vocabulary_sizes([10, 100], 100) == (10, None)  # all rows: the model's own head
+    assert vocabulary_sizes([None], 100) is None
+    for bad in (0, 101, [10, 0], [10, 101]):
+        with pytest.raises(ConfigError, match=r"1\.\.100"):
+            vocabulary_sizes(bad, 100)
+    with pytest.raises(ConfigError, match="sizes"):
+        vocabulary_sizes("many", 100)
+    assert default_draft_vocab("del-fast", 262144) == [16384, 32768, 65536, None]
+    assert default_draft_vocab("del-fast", 49152) == [16384, None]
+    assert default_draft_vocab("del-fast", 32767) is None
+    assert default_draft_vocab("del", 262144) is None
+
+
+def test_draft_vocabulary_levels_are_nested_and_widened_by_the_context(model, adapters):
+    levels = [top_tokens(adapters.ranking, 8), top_tokens(adapters.ranking, 24), None]
+    shared = DraftHead(model, adapters, levels)
+    assert shared.vocab_sizes == [8, 24, VOCAB]
+    assert shared.vocabs[1][:8].tolist() == shared.vocab.tolist() == levels[0].tolist()
+    assert set(shared.vocabs[1].tolist()) == set(levels[1].tolist())
+    small, large = set(levels[0].tolist()), set(levels[1].tolist())
+    middle = next(t for t in range(VOCAB) if t in large - small)
+    outside = [t for t in range(VOCAB) if t not in large]
+    head = shared.for_prompt([middle, outside[0], int(levels[0][0])])
+    # each level drafts the context tokens it lacks; the full one lacks none
+    assert head.vocabs[0].tolist()[8:] == [middle, outside[0]]
+    assert head.vocabs[1].tolist()[24:] == [outside[0]]
+    assert head.vocabs[2] is None and shared.vocabs[0].tolist() == levels[0].tolist()
+    full = DraftHead(model, adapters)
+    h = torch.randn(3, 32, dtype=model.dtype)
+    for layer in (2, model.num_layers):
+        for level, ids in enumerate(head.vocabs):
+            expected = full(h, layer) if ids is None else full(h, layer)[:, ids]
+            torch.testing.assert_close(head(h, layer, level), expected)
+    hidden = torch.randn(2, 4, 32, dtype=model.dtype)
+    torch.testing.assert_close(
+        head.shadow(hidden, [2, 3]), full.shadow(hidden, [2, 3])[..., head.vocab]
+    )
+    # coverage: which levels could draft a token before the latest admission
+    new = outside[1]
+    tokens = torch.tensor([int(levels[0][1]), middle, outside[0], new])
+    expected = [[True, True, True, False], [True, True, True, False], [True] * 4]
+    assert head.covered(tokens).tolist() == expected
+    head.admit([new])
+    assert head.covered(torch.tensor([new])).tolist() == [[False], [False], [True]]
+    head.admit([])
+    assert head.covered(torch.tensor([new])).tolist() == [[True], [True], [True]]
+    fixed = DraftHead(model, adapters, levels, context_vocab=False).for_prompt([new])
+    assert fixed.covered(torch.tensor([new, middle])).tolist() == [
+        [False, False],
+        [False, True],
+        [True, True],
+    ]
+    with pytest.raises(ConfigError, match="contain the smaller"):
+        DraftHead(model, None, [levels[1], levels[0]])
+    with pytest.raises(ConfigError, match="only the last"):
+        DraftHead(model, None, [None, levels[0]])
+
+
 @pytest.mark.parametrize("strategy", DRAFTING)
 def test_drafting_with_adapters_and_pruned_vocab_is_lossless(model, adapters, strategy):
     head = DraftHead(model, adapters, top_tokens(adapters.ranking, 24))
@@ -192,7 +256,7 @@ def test_context_tokens_join_a_sequences_draft_vocabulary(model, adapters):
     assert head.vocab.tolist() == vocab.tolist() + outside[:2]
     head.admit([outside[2], outside[1], int(vocab[1])])
     assert head.vocab.tolist() == vocab.tolist() + outside[:3]
-    assert head.rows == shared.rows == len(vocab)
+    assert head.vocab_sizes == shared.vocab_sizes == [len(vocab)]
     full = DraftHead(model, adapters)
     h = torch.randn(5, 32, dtype=model.dtype)
     for layer in (2, model.num_layers):

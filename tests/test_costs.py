@@ -9,8 +9,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from delspec.adapters import DraftHead
 from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
-from delspec.engine import ExitHead
+from delspec.engine import ExitHead, Round
 from delspec.exit_statistics import best_plan, expected_tokens
 from delspec.generate import decode_tokens
 from delspec.policies import make_policy
@@ -21,11 +22,12 @@ LENGTHS = torch.arange(0, 6)
 
 
 def profile(layer, head, draft_head=0.001, draft_layer=None, int8=False):
+    """A hand-made profile; `draft_head`: seconds per draft row, one level or a list of them."""
     return CostProfile(
         layer=layer,
         head=head,
         draft_layer=layer[0] if draft_layer is None else draft_layer,
-        draft_head=draft_head,
+        draft_head=[draft_head] if isinstance(draft_head, float) else list(draft_head),
         int8=int8,
         key="test",
         measured_at=0,
@@ -97,9 +99,9 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
 class CountingHead(ExitHead):
     calls = 0
 
-    def __call__(self, h, exit_layer):
+    def __call__(self, h, exit_layer, level=0):
         CountingHead.calls += 1
-        return super().__call__(h, exit_layer)
+        return super().__call__(h, exit_layer, level)
 
 
 def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path):
@@ -121,6 +123,17 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     # int8 drafts are another setting: a profile of their own
     int8 = cached_profile(ExitHead(head.model, int8=True), 2, 4, tmp_path)
     assert int8.int8 and int8.key != first.key and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
+    model = tiny_model(seed=0)
+    full = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
+    assert (pruned.key, pruned.layer, pruned.head) == (full.key, full.layer, full.head)
+    assert len(full.draft_head) == 1 and len(pruned.draft_head) == 2
+    (path,) = tmp_path.glob("profile-*.json")
+    assert set(json.loads(path.read_text())["draft_heads"]) == {"64", "8,64"}
+    assert cached_profile(ExitHead(model), 2, 4, tmp_path) == full
 
 
 def test_shadow_budget_bounds_policy_work_and_stays_lossless():
@@ -155,6 +168,59 @@ def test_a_draft_must_promise_the_margin_over_a_plain_step():
     assert policy.plan().draft_cap == 0 and policy.exit_layer == 8  # still watching layer 8
     policy = _policy_with_counts([2, 5, 84], [8, 5, 16], no_draft=True, prior=0, margin=0)
     assert (policy.plan().exit_layer, policy.plan().draft_cap) == (8, 1)
+
+
+def test_the_cost_model_picks_a_larger_draft_vocabulary_where_it_accepts_more():
+    model = tiny_model(seed=0, num_layers=LAYERS)
+    head = DraftHead(model, vocab=[torch.arange(16), torch.arange(32), None])
+    policy = make_policy("del", LAYERS, candidates=EXITS.tolist(), cost="measured", prior=0)
+    # per draft token: 16 rows 0.001 s, 32 rows 0.1 s, the full head 3 s
+    drafts = [0.001, 0.1, 3.0]
+    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, drafts), LAYERS)
+    policy.start(head)
+    assert len(policy.stats.matched) == 9  # (vocabulary, layer) rows, vocabulary-major
+    policy.stats.matched = torch.tensor([2.0, 5.0, 60.0] * 3)
+    policy.stats.mismatched = torch.tensor([8.0, 5.0, 40.0] * 3)
+    policy._choose()
+    assert policy.plan().level == 0  # equal acceptance everywhere: the cheapest vocabulary
+    # layer 8 drafts 95% right from the 32 tokens (and from all), 60% from the 16
+    policy.stats.matched[[5, 8]], policy.stats.mismatched[[5, 8]] = 95.0, 5.0
+    policy._choose()
+    larger = policy.plan()
+    assert (larger.exit_layer, larger.level) == (8, 1) and larger.draft_cap > 1
+    # the paper's layer cost cannot see what a larger vocabulary costs: it keeps the smallest
+    paper = make_policy("del", LAYERS, candidates=EXITS.tolist())
+    paper.start(head)
+    assert paper.levels == 1 and len(paper.stats.matched) == 3 and paper.plan().level == 0
+
+
+def test_shadow_tokens_credit_larger_vocabularies_with_targets_the_smallest_lacks():
+    model = tiny_model(seed=2, num_layers=4)
+    small = torch.arange(8)  # 8 of the 64 tokens
+    head = DraftHead(model, vocab=[small, None], context_vocab=False)
+    policy = make_policy("del", 4, cost="measured", omega=1.0, prior=0)
+    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
+    policy.start(head)
+    hidden = torch.randn(4, 40, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(0))
+    layers = policy.candidates  # 1..4: the final layer drafts cheaply with a pruned head
+    logits = DraftHead(model).shadow(hidden[[e - 1 for e in layers]], layers)
+    best_small = logits[..., :8].max(-1)
+    # targets: layer 1's choice among the 8 tokens, or a token outside them (layer 2's choice,
+    # or another)
+    full_choice = logits[1].argmax(-1)
+    targets = torch.where(torch.arange(40) % 3 == 0, best_small.indices[0], full_choice)
+    targets[2::6] = 40 + torch.arange(len(targets[2::6])) % 20
+    record = Round(0, 0, [], [], 0, [], targets, hidden)  # a plain round: all positions valid
+    policy.observe(record)
+    target_logit = logits.gather(-1, targets.expand(len(layers), -1)[..., None])[..., 0]
+    inside = targets < 8
+    small_match = best_small.indices == targets
+    reach = ~inside & (target_logit >= best_small.values)
+    assert small_match.any() and reach.any() and (~inside & ~reach).any()
+    matched = policy.stats.matched
+    assert matched[: len(layers)].tolist() == small_match.sum(1).double().tolist()
+    assert matched[len(layers) :].tolist() == (small_match | reach).sum(1).double().tolist()
+    assert (matched + policy.stats.mismatched).tolist() == [40.0] * 2 * len(layers)
 
 
 def test_the_prior_keeps_a_layer_seen_a_few_times_from_looking_certain():

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny_models import tiny_model
 
+from delspec.adapters import DraftHead
 from delspec.engine import ExitHead, Round
 from delspec.generate import decode_tokens
-from delspec.policies import STRATEGIES, make_policy
+from delspec.policies import STRATEGIES, Plan, make_policy
+from delspec.policies.fixed import Static
 
 POLICIES = {
     "static": dict(exit_layer=2, draft_length=4),
@@ -18,6 +22,17 @@ POLICIES = {
     "dele": dict(),
     "del-fast": dict(warmup=4),  # evidence from the prompt: drafting starts within ~25 tokens
 }
+
+
+class AtLevel(Static):
+    """Static drafting from one of the exit head's draft vocabularies (levels)."""
+
+    def __init__(self, num_layers: int, level: int, **options) -> None:
+        super().__init__(num_layers, **options)
+        self.level = level
+
+    def plan(self) -> Plan:
+        return replace(super().plan(), level=self.level)
 
 
 def test_every_strategy_is_covered():
@@ -117,3 +132,23 @@ def test_int8_drafts_leave_the_exact_cache_behind():
     torch.testing.assert_close(
         model.cache[..., :committed, :], ar_cache[..., :committed, :], rtol=0, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("int8", [False, True])
+def test_every_draft_vocabulary_level_is_lossless(level, int8):
+    """Drafts from each level of a pruned ladder (8 tokens, 24 tokens, all; plus the context's
+    own) map their columns back to the right tokens."""
+    accepted = drafted = 0
+    for seed in range(4):
+        model = tiny_model(seed=seed, shallow=2, residual_scale=0.1)
+        ranking = torch.randperm(64, generator=torch.Generator().manual_seed(seed))
+        head = DraftHead(model, None, [ranking[:8].sort().values, ranking[:24], None], int8=int8)
+        prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected, _ = run(model, prompt, "ar", 30)
+        for exit_layer in (2, model.num_layers):
+            policy = AtLevel(model.num_layers, level, exit_layer=exit_layer, draft_length=3)
+            got = decode_tokens(model, prompt, policy, max_new_tokens=30, exit_head=head)
+            assert got.token_ids == expected.token_ids, (seed, exit_layer)
+            accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
+    assert 0 < accepted < drafted  # accepted and rejected drafts

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_lossless import AtLevel
 from tiny_models import tiny_model
 
 from delspec.adapters import DraftHead
@@ -63,6 +64,8 @@ def exact_distribution(model, prompt, sampling):
         # The final layer through a pruned head (tokens 0 and 3, plus the context's own).
         ("static", dict(exit_layer=-1, draft_length=2), [0, 3], False),
         ("static", dict(exit_layer=2, draft_length=2), None, True),
+        # The middle one of three draft vocabularies: tokens 0, 1, 3 and the context's 4 and 2.
+        ("level", dict(exit_layer=2, draft_length=2, level=1), [[0, 3], [0, 1, 3], None], False),
     ],
 )
 def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab, int8):
@@ -72,12 +75,18 @@ def test_speculative_sampling_keeps_the_target_distribution(strategy, options, d
     exact = exact_distribution(model, prompt, Sampling(**settings))
     if options.get("exit_layer") == -1:
         options = {**options, "exit_layer": model.num_layers}
-    vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
+    if draft_vocab is None or isinstance(draft_vocab[0], int):
+        vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
+    else:
+        vocab = [None if v is None else torch.tensor(v) for v in draft_vocab]
     head = DraftHead(model, vocab=vocab, int8=int8)
     counts: Counter = Counter()
     drafted = 0
     for seed in range(SAMPLES):
-        policy = make_policy(strategy, model.num_layers, **options)
+        if strategy == "level":
+            policy = AtLevel(model.num_layers, **options)
+        else:
+            policy = make_policy(strategy, model.num_layers, **options)
         out = decode_tokens(
             model,
             prompt,

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,11 +272,14 @@ def adapt(n: Tensor, down: Tensor, up: Tensor) -> Tensor:
 
 
 class DraftHead(ExitHead):
-    """An exit head with per-layer adapters and/or a pruned vocabulary `vocab` (token ids).
+    """An exit head with per-layer adapters and/or pruned draft vocabularies.
 
-    Only drafts and shadow tokens go through it: the engine verifies with `model.head`, the
-    full unadapted head. Layers without an adapter use the plain final norm + head. With a
-    pruned vocabulary and `context_vocab`, each sequence's head (`for_prompt`) also drafts the
+    `vocab` is one pruned vocabulary (token ids), or a list of nested ones, smallest first, in
+    which None stands for the full vocabulary: each is a level a round may draft with
+    (`ExitHead.vocabs`; a cost-aware policy picks one). Only drafts and shadow tokens go through
+    this head (shadow tokens over the smallest level): the engine verifies with `model.head`,
+    the full unadapted head. Layers without an adapter use the plain final norm + head. With
+    pruned vocabularies and `context_vocab`, each sequence's head (`for_prompt`) also drafts the
     tokens of its prompt and reply so far (prompts are often copied from: names, numbers, code).
     """
 
@@ -282,19 +287,43 @@ class DraftHead(ExitHead):
         self,
         model: Transformer,
         adapters: ExitAdapters | None = None,
-        vocab: Tensor | None = None,
+        vocab: Tensor | Sequence[Tensor | None] | None = None,
         context_vocab: bool = True,
         int8: bool = False,
     ) -> None:
+        super().__init__(model, int8)
         device, dtype = model.device, model.dtype
+        levels = [vocab] if vocab is None or isinstance(vocab, Tensor) else list(vocab)
+        if not levels or None in levels[:-1]:
+            raise ConfigError("draft vocabularies: only the last (largest) may be the full one")
+        pruned = [v.to(device) for v in levels if v is not None]
+        # The pruned levels' tokens, level by level, so that every level is a prefix of `order`.
+        order: dict[int, None] = {}
+        for v in pruned:
+            ids = dict.fromkeys(v.tolist())
+            if not ids.keys() >= order.keys():
+                raise ConfigError("each draft vocabulary must contain the smaller ones")
+            order.update(ids)
+        self.order = torch.tensor(list(order), dtype=torch.long, device=device)
+        sizes = [len(v) for v in pruned]
+        full = levels[-1] is None
+        self._sizes = sizes + [model.config.vocab_size] * full
         weight = model.lm_head.weight
-        self.vocab = None if vocab is None else vocab.to(device)
-        self.weight = weight if vocab is None else weight[self.vocab].contiguous()
-        super().__init__(model, int8, self.weight)
-        self.context_vocab = context_vocab and vocab is not None
-        self.extra = weight[:0]  # LM head rows of the context tokens outside `vocab`
-        # token ids with a column: the pruned vocabulary's, then a sequence's context tokens
-        self._members = set(self.vocab.tolist()) if self.context_vocab else set()
+        rows = weight[self.order].contiguous()
+        drafts = self.drafting(rows) if sizes else None
+        self.draft_weights = [drafts[:k] for k in sizes] + [self.drafting(None)] * full
+        self.base_vocabs: list[Tensor | None] = [self.order[:k] for k in sizes] + [None] * full
+        self.vocabs = list(self.base_vocabs)
+        # the smallest level's exact rows, for shadow tokens (None: the model's own head)
+        self.weight = rows[: sizes[0]] if sizes else None
+        # the smallest level each token is in; len(levels) for none
+        self.level_of = torch.full((model.config.vocab_size,), len(levels) - full)
+        for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
+            self.level_of[self.order[lo:hi].cpu()] = level
+        self.context_vocab = context_vocab and bool(pruned)
+        self.extras = [weight[:0]] * len(levels)  # per level: rows of context tokens outside it
+        self.context: set[int] = set()  # the sequence's tokens so far
+        self.fresh: set[int] = set()  # those the latest `admit` added
         self.adapted: frozenset[int] = frozenset()
         if adapters is not None and adapters.layers:
             num_layers, rank, hidden = model.num_layers, adapters.rank, model.config.hidden_size
@@ -307,46 +336,64 @@ class DraftHead(ExitHead):
             self.adapted = frozenset(adapters.layers)
         self._stack: tuple[list[int], Tensor, Tensor] | None = None
 
-    def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
+    def __call__(self, h: Tensor, exit_layer: int, level: int = 0) -> Tensor:
         n = self.model.norm(h)
         if exit_layer in self.adapted:
             n = adapt(n, self.down[exit_layer], self.up[exit_layer])
-        return self._project(n, self.draft_weight)
+        return self._project(n, self.draft_weights[level], self.extras[level])
 
-    def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
+    def exit_states(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         n = self.model.norm(hidden)
         if self.adapted.intersection(exit_layers):
             n = adapt(n, *self._stacked(exit_layers))
-        return self._project(n, self.weight)
+        return n
+
+    def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
+        return self._project(self.exit_states(hidden, exit_layers), self.weight, self.extras[0])
 
     @property
-    def rows(self) -> int:
-        return len(self.weight)
+    def vocab_sizes(self) -> list[int]:
+        return list(self._sizes)
 
-    def _project(self, n: Tensor, weight: Tensor | Int8Weight) -> Tensor:
+    def _project(self, n: Tensor, weight: Tensor | Int8Weight | None, extra: Tensor) -> Tensor:
         logits = self.model.project(n, weight)
-        if not len(self.extra):
+        if not len(extra):
             return logits
-        return torch.cat([logits, self.model.project(n, self.extra)], -1)
+        return torch.cat([logits, self.model.project(n, extra)], -1)
+
+    def covered(self, tokens: Tensor) -> Tensor:
+        levels = torch.arange(len(self.vocabs))[:, None]
+        ranked = self.level_of[tokens.cpu()][None, :] <= levels
+        if not self.context_vocab:
+            return ranked
+        seen = [t in self.context and t not in self.fresh for t in tokens.tolist()]
+        return ranked | torch.tensor(seen, dtype=torch.bool)[None, :]
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
         if not self.context_vocab:
             return self
         head = copy.copy(self)
-        head._members = set(self._members)
+        head.vocabs, head.extras, head.context = list(self.vocabs), list(self.extras), set()
         head.admit(prompt)
+        head.fresh = set()
         return head
 
     def admit(self, tokens: list[int]) -> None:
         if not self.context_vocab:
             return
-        new = [t for t in dict.fromkeys(tokens) if t not in self._members]
+        new = [t for t in dict.fromkeys(tokens) if t not in self.context]
+        self.fresh = set(new)
         if not new:
             return
-        self._members.update(new)
-        ids = torch.tensor(new, device=self.vocab.device)
-        self.vocab = torch.cat([self.vocab, ids])
-        self.extra = torch.cat([self.extra, self.model.lm_head.weight[ids]])
+        self.context.update(new)
+        ids = torch.tensor(new)
+        for level, base in enumerate(self.base_vocabs):
+            outside = ids[self.level_of[ids] > level].to(self.order.device)
+            if base is None or not len(outside):
+                continue
+            self.vocabs[level] = torch.cat([self.vocabs[level], outside])
+            rows = self.model.lm_head.weight[outside]
+            self.extras[level] = torch.cat([self.extras[level], rows])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
         """The listed layers' adapters (`down`, `up`), stacked for a layer batch."""
@@ -356,10 +403,13 @@ class DraftHead(ExitHead):
         return self._stack[1], self._stack[2]
 
 
+DraftVocab = int | Sequence[int | None] | str | None
+
+
 def draft_head(
     lm: LoadedModel,
     adapters: AdapterSource = "auto",
-    draft_vocab: int | str | None = None,
+    draft_vocab: DraftVocab = None,
     context_vocab: bool = True,
     int8: bool | str = False,
     strategy: str = DEFAULT_STRATEGY,
@@ -369,25 +419,28 @@ def draft_head(
     `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
     a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
     adapters file's ranking, else `fallback_ranking`), plus each sequence's own tokens with
-    `context_vocab`. `int8` drafts on int8 weights (`ExitHead`). `draft_vocab` and `int8` may be
-    "auto": what `strategy` drafts with by default (`default_draft_vocab`,
-    `default_int8_draft`). Without adapters or a draft vocabulary, the plain `ExitHead`. Heads
-    built from files are cached (keyed by the file's path, size and modification time).
+    `context_vocab`; a list of sizes (None or the vocabulary size: the full vocabulary) gives
+    one draft vocabulary per size, for a cost-aware policy to choose from per round. `int8`
+    drafts on int8 weights (`ExitHead`). `draft_vocab` and `int8` may be "auto": what `strategy`
+    drafts with by default (`default_draft_vocab`, `default_int8_draft`). Without adapters or a
+    draft vocabulary, the plain `ExitHead`. Heads built from files are cached (keyed by the
+    file's path, size and modification time).
     """
+    vocab_size = lm.model.config.vocab_size
     if draft_vocab == "auto":
-        draft_vocab = default_draft_vocab(strategy, lm.model.config.vocab_size)
+        draft_vocab = default_draft_vocab(strategy, vocab_size)
+    sizes = vocabulary_sizes(draft_vocab, vocab_size)
     if int8 == "auto":
         int8 = default_int8_draft(strategy, lm.model.device)
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
-        vocab = None if draft_vocab is None else top_tokens(adapters.ranking, draft_vocab)
-        return DraftHead(lm.model, adapters, vocab, context_vocab, int8)
+        return DraftHead(lm.model, adapters, _levels(adapters.ranking, sizes), context_vocab, int8)
     path = None
     if adapters == "auto":
         path = find_adapters(lm)
     elif adapters is not None:
         path = Path(adapters)
-    if path is None and draft_vocab is None:
+    if path is None and sizes is None:
         return ExitHead(lm.model, int8)
     stamp = None
     if path is not None:
@@ -396,7 +449,34 @@ def draft_head(
         except OSError as exc:
             raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
         stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    return _cached_head(lm.model, lm.source, stamp, draft_vocab, context_vocab, int8)
+    return _cached_head(lm.model, lm.source, stamp, sizes, context_vocab, int8)
+
+
+def vocabulary_sizes(
+    draft_vocab: int | Sequence[int | None] | None, vocab_size: int
+) -> tuple[int | None, ...] | None:
+    """`draft_vocab` as ascending draft vocabulary sizes, None (last) for the full vocabulary;
+    None when nothing is pruned. Raises `ConfigError` for a size outside 1..`vocab_size`."""
+    if draft_vocab is None:
+        return None
+    if isinstance(draft_vocab, str):
+        raise ConfigError(f"draft vocabulary: expected sizes or 'auto', got {draft_vocab!r}")
+    listed = [draft_vocab] if isinstance(draft_vocab, int) else list(draft_vocab)
+    for k in listed:
+        if k is not None and not 1 <= k <= vocab_size:
+            raise ConfigError(f"draft vocabulary must be in 1..{vocab_size} tokens, got {k}")
+    if len(listed) == 1:  # one size: that many rows, even all of them
+        return tuple(listed) if listed[0] is not None else None
+    pruned = sorted({k for k in listed if k is not None and k < vocab_size})
+    full = any(k is None or k == vocab_size for k in listed)
+    return (*pruned, *[None] * full) if pruned else None
+
+
+def _levels(ranking: Tensor, sizes: tuple[int | None, ...] | None) -> list[Tensor | None] | None:
+    """The draft vocabularies of `sizes` (see `vocabulary_sizes`): top-ranked tokens, or None."""
+    if sizes is None:
+        return None
+    return [None if k is None else top_tokens(ranking, k) for k in sizes]
 
 
 @functools.lru_cache(maxsize=4)  # holds up to four models alive
@@ -404,16 +484,16 @@ def _cached_head(
     model: Transformer,
     source: str,
     stamp: tuple[str, int, int] | None,
-    k: int | None,
+    sizes: tuple[int | None, ...] | None,
     context_vocab: bool,
     int8: bool,
 ) -> DraftHead:
     adapters = None if stamp is None else load_adapters(stamp[0], model)
     vocab = None
-    if k is not None:
+    if sizes is not None:
         if adapters is not None:
             ranking = adapters.ranking
         else:
             ranking = fallback_ranking(source, model.config.vocab_size)
-        vocab = top_tokens(ranking, k)
+        vocab = _levels(ranking, sizes)
     return DraftHead(model, adapters, vocab, context_vocab, int8)

@@ -46,14 +46,15 @@ def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
 
 
-def _draft_vocab(text: str) -> int | str | None:
+def _draft_vocab(text: str) -> list[int | None] | str | None:
     if text in ("auto", "full"):
         return None if text == "full" else text
     try:
-        return int(text)
+        return [None if k == "full" else int(k) for k in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a number, 'auto' or 'full', got {text!r}"
+            f"expected a number, numbers and 'full' separated by commas, 'auto' or 'full', "
+            f"got {text!r}"
         ) from None
 
 
@@ -295,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-vocab",
         type=_draft_vocab,
         default="auto",
-        help="draft with only the K most frequent tokens' LM head rows; 'full'; 'auto' "
-        "(default): 16384 for del-fast on large vocabularies",
+        help="draft with only the K most frequent tokens' LM head rows; several sizes "
+        "(e.g. 16384,65536,full) for del-fast to choose from per round; 'full'; 'auto' "
+        "(default) for del-fast on large vocabularies: 16384, up to two doublings within half "
+        "the vocabulary, and full",
     )
     gen.add_argument(
         "--no-context-vocab",

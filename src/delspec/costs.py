@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from delspec.engine import ExitHead
 from delspec.timing import synchronize
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
-PROFILE_VERSION = 6
+PROFILE_VERSION = 8
 
 
 class LayerCost:
@@ -32,8 +33,11 @@ class LayerCost:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
 
-    def grid(self, exit_layers: Tensor, draft_lengths: Tensor) -> Tensor:
-        """`[exit layers, draft lengths]` cost of one round (d = 0 is a plain step)."""
+    def grid(
+        self, exit_layers: Tensor, draft_lengths: Tensor, levels: Tensor | None = None
+    ) -> Tensor:
+        """`[exit layers, draft lengths]` cost of one round (d = 0 is a plain step); layer loads
+        do not depend on the draft vocabulary `levels`."""
         d = draft_lengths[None, :].double()
         return d * exit_layers[:, None].double() + self.num_layers
 
@@ -44,13 +48,14 @@ class CostProfile:
 
     `layer[k - 1]`: k new tokens through one layer (after a context); `head[k - 1]`: k rows
     through the full LM head; `draft_layer`: one token through one layer as drafts run it (on
-    int8 weights when `int8`); `draft_head`: one row through the draft head.
+    int8 weights when `int8`); `draft_head[v]`: one row through the draft head's vocabulary
+    level v (`ExitHead.vocabs`), for the head the profile was loaded for.
     """
 
     layer: list[float]
     head: list[float]
     draft_layer: float
-    draft_head: float
+    draft_head: list[float]
     int8: bool
     key: str
     measured_at: float
@@ -60,7 +65,8 @@ class CostProfile:
 class MeasuredCost:
     """Round cost in seconds from a `CostProfile`, plus a per-round policy overhead.
 
-    Drafting d tokens with exit layer l costs d * (l * draft_layer + draft_head). Verification
+    Drafting d tokens with exit layer l and vocabulary level v costs
+    d * (l * draft_layer + draft_head[v]). Verification
     runs the last draft token through layers [0, l) and d + 1 positions through [l, L) and the
     full head; after int8 drafts, d + 1 positions through every layer and the full head. d = 0
     is a plain step: L * layer(1) + head(1).
@@ -73,14 +79,20 @@ class MeasuredCost:
         self.num_layers = num_layers
         self.overhead = 0.0  # seconds of policy work per round, updated by the policy
 
-    def grid(self, exit_layers: Tensor, draft_lengths: Tensor) -> Tensor:
+    def grid(
+        self, exit_layers: Tensor, draft_lengths: Tensor, levels: Tensor | None = None
+    ) -> Tensor:
+        """`[rows, draft lengths]` seconds of one round; row i drafts with `exit_layers[i]` and
+        vocabulary level `levels[i]` (default 0)."""
         p = self.profile
+        levels = torch.zeros_like(exit_layers) if levels is None else levels
         layer = torch.tensor(p.layer, dtype=torch.float64)
         head = torch.tensor(p.head, dtype=torch.float64)
         k = (draft_lengths + 1).clamp(max=len(p.layer)) - 1  # index of d + 1 new tokens
         e = exit_layers[:, None].double()
         d = draft_lengths[None, :].double()
-        draft = d * (e * p.draft_layer + p.draft_head)
+        head_s = torch.tensor(p.draft_head, dtype=torch.float64)[levels][:, None]
+        draft = d * (e * p.draft_layer + head_s)
         if p.int8:  # every layer again over the d + 1 positions
             verify = self.num_layers * layer[k][None, :] + head[k][None, :]
         else:
@@ -89,8 +101,9 @@ class MeasuredCost:
 
 
 def profile_key(exit_head: ExitHead) -> str:
-    """Identifies what a profile was measured for: model shape, device, dtype, threads, and the
-    draft head's size and weights."""
+    """Identifies the setting a profile's model timings were measured for: model shape, device,
+    dtype, threads, and whether drafts run on int8 weights (not the draft head's vocabulary:
+    its timings are kept per vocabulary within the profile)."""
     model = exit_head.model
     parts = [
         repr(model.config),
@@ -98,10 +111,22 @@ def profile_key(exit_head: ExitHead) -> str:
         str(model.dtype),
         str(torch.get_num_threads()),
         torch.__version__,
-        str(exit_head.rows),
         "int8" if exit_head.int8 else "exact",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` runs, after one untimed run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def measure_profile(
@@ -126,15 +151,7 @@ def measure_profile(
         states = model.embed(ids[context:])
 
         def seconds(fn: Callable[[], object]) -> float:
-            fn()
-            times = []
-            for _ in range(repeats):
-                synchronize(model.device)
-                start = time.perf_counter()
-                fn()
-                synchronize(model.device)
-                times.append(time.perf_counter() - start)
-            return sorted(times)[len(times) // 2]
+            return _seconds(fn, model.device, repeats)
 
         layers, heads = [], []
         for k in range(1, max_tokens + 1):
@@ -145,31 +162,49 @@ def measure_profile(
         layers_as_drafted = seconds(
             lambda: model.run_layers(one, context, 0, cfg.num_layers, None, int8)
         )
-        draft = seconds(lambda: exit_head(one, exit_layer))
     return CostProfile(
         layer=[t / cfg.num_layers for t in layers],
         head=heads,
         draft_layer=layers_as_drafted / cfg.num_layers,
-        draft_head=draft,
+        draft_head=measure_draft_heads(exit_head, exit_layer, repeats),
         int8=int8,
         key=profile_key(exit_head),
         measured_at=time.time(),
     )
 
 
+def measure_draft_heads(exit_head: ExitHead, exit_layer: int, repeats: int = 5) -> list[float]:
+    """Seconds of one draft row through each of `exit_head`'s vocabulary levels."""
+    model = exit_head.model
+    with torch.inference_mode():
+        one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
+        return [
+            _seconds(lambda v=v: exit_head(one, exit_layer, v), model.device, repeats)
+            for v in range(len(exit_head.vocabs))
+        ]
+
+
 def cached_profile(
     exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
 ) -> CostProfile:
-    """The profile for this model, setting and draft head from `directory`, measured again when
-    missing, older than a week, or measured for fewer tokens."""
+    """The profile for this model and setting from `directory`, measured again when missing,
+    older than a week, or measured for fewer tokens. Draft head timings are stored per
+    vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is measured and added."""
     key = profile_key(exit_head)
+    vocab = ",".join(map(str, exit_head.vocab_sizes))
     path = directory / f"profile-{key}.json"
     try:
-        profile = CostProfile(**json.loads(path.read_text()))
+        stored = json.loads(path.read_text())
+        drafts = stored.pop("draft_heads")
+        profile = CostProfile(**stored, draft_head=drafts.get(vocab, []))
         fresh = time.time() - profile.measured_at < PROFILE_MAX_AGE_S
-        if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
-            return profile
-    except (OSError, ValueError, TypeError):
+        if not (fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens):
+            raise ValueError("stale")
+        if not profile.draft_head:
+            profile.draft_head = drafts[vocab] = measure_draft_heads(exit_head, exit_layer)
+            _write_profile(path, profile, drafts)
+        return profile
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     print(
         f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
@@ -177,8 +212,14 @@ def cached_profile(
         file=sys.stderr,
     )
     profile = measure_profile(exit_head, exit_layer, max_tokens)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(profile)))
-    tmp.replace(path)
+    _write_profile(path, profile, {vocab: profile.draft_head})
     return profile
+
+
+def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
+    """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
+    stored = {k: v for k, v in asdict(profile).items() if k != "draft_head"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**stored, "draft_heads": draft_heads}))
+    tmp.replace(path)

@@ -31,28 +31,37 @@ class ExitHead:
     """How drafts are made: logits of an early exit (final norm + LM head over a vocabulary, all
     rows by default), and whether drafts run on int8 weights.
 
-    With `int8`, draft layers and this head's own product use `Int8Weight` copies (shadow tokens,
-    scored on exact states, do not). Subclasses may restrict `vocab` (token id of each logit
-    column) or transform the exit state.
+    A head offers one or more draft vocabularies ("levels", `vocabs`), smallest first; a round
+    drafts with one of them. With `int8`, draft layers and this head's own products use
+    `Int8Weight` copies (shadow tokens, scored on exact states, do not). Subclasses may prune
+    vocabularies (token id of each logit column) or transform the exit state.
     """
 
-    vocab: Tensor | None = None
-
-    def __init__(
-        self, model: Transformer, int8: bool = False, weight: Tensor | None = None
-    ) -> None:
-        """`weight`: the LM head rows drafts project onto (None: the whole head)."""
+    def __init__(self, model: Transformer, int8: bool = False) -> None:
         self.model = model
         self.int8 = int8
-        self.draft_weight: Tensor | Int8Weight | None = weight
         if int8:
             if not int8_supported(model.device):
                 raise ConfigError(
                     f"int8 drafts are not supported on {model.device} by this torch build; "
                     "draft in full precision (int8_draft=False, --int8-draft off)"
                 )
-            self.draft_weight = Int8Weight(model.lm_head.weight if weight is None else weight)
             model.make_int8_copies()
+        # per level: the LM head rows drafts project onto (None: the whole head, in id order)
+        self.draft_weights: list[Tensor | Int8Weight | None] = [self.drafting(None)]
+        # per level: the token id of each logit column (None: column = token id)
+        self.vocabs: list[Tensor | None] = [None]
+
+    def drafting(self, weight: Tensor | None) -> Tensor | Int8Weight | None:
+        """LM head rows `weight` (None: all) as drafts use them: an int8 copy with `int8`."""
+        if not self.int8:
+            return weight
+        return self.model.lm_head.int8_weight() if weight is None else Int8Weight(weight)
+
+    @property
+    def vocab(self) -> Tensor | None:
+        """Token ids of the smallest level's columns (the shadow tokens' vocabulary)."""
+        return self.vocabs[0]
 
     @property
     def cheaper_at_final_layer(self) -> bool:
@@ -61,24 +70,42 @@ class ExitHead:
         return self.vocab is not None or self.int8
 
     @property
-    def rows(self) -> int:
-        """LM head rows a draft token reads, not counting a sequence's context tokens."""
-        return self.model.config.vocab_size
+    def vocab_sizes(self) -> list[int]:
+        """LM head rows a draft token reads at each level, not counting context tokens."""
+        return [self.model.config.vocab_size]
 
-    def __call__(self, h: Tensor, exit_layer: int) -> Tensor:
-        """Logits `[tokens, len(vocab)]` of layer `exit_layer`'s states `h`."""
-        return self.model.head(h, self.draft_weight)
+    def __call__(self, h: Tensor, exit_layer: int, level: int = 0) -> Tensor:
+        """Logits `[tokens, len(vocabs[level])]` of layer `exit_layer`'s states `h`."""
+        return self.model.head(h, self.draft_weights[level])
+
+    def exit_states(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
+        """Each listed layer's states `[layers, positions, hidden]` as the head projects them:
+        after the final norm."""
+        return self.model.norm(hidden)
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
-        """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states."""
-        return self.model.head(hidden)
+        """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states, over
+        the smallest level's vocabulary, in full precision."""
+        return self.model.project(self.exit_states(hidden, exit_layers))
+
+    def token_logits(self, hidden: Tensor, exit_layers: list[int], tokens: Tensor) -> Tensor:
+        """`[layers, positions]`: each listed layer's logit of `tokens[p]` at position p, in
+        full precision (comparable with `shadow`'s)."""
+        n = self.exit_states(hidden, exit_layers)
+        logits = self.model.project(n, self.model.lm_head.weight[tokens])
+        return logits.diagonal(dim1=-2, dim2=-1)
+
+    def covered(self, tokens: Tensor) -> Tensor:
+        """`[levels, tokens]`: whether each level could draft each token before the latest
+        `admit` (everything, for a head without pruned vocabularies)."""
+        return torch.ones(len(self.vocabs), len(tokens), dtype=torch.bool)
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
         """The head for one sequence starting with `prompt` (this one, unless it adapts)."""
         return self
 
     def admit(self, tokens: list[int]) -> None:
-        """`tokens` joined the sequence (a head may widen its vocabulary with them)."""
+        """`tokens` joined the sequence (a head may widen its vocabularies with them)."""
 
 
 @dataclass
@@ -94,6 +121,7 @@ class Round:
     targets: Tensor  # greedy target token after each of context + T + 1 positions
     hidden: Tensor | None = None  # [layers, context + T + 1, hidden] when collected
     context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
+    level: int = 0  # the exit head's draft vocabulary (`ExitHead.vocabs`) the drafts came from
     draft_s: float = 0.0
     verify_s: float = 0.0
     extra: dict = field(default_factory=dict)  # policy annotations for traces
@@ -148,13 +176,15 @@ class Engine:
         draft_cap: int,
         keep_drafting: Callable[[int, float], bool],
         collect: bool = False,
+        level: int = 0,
     ) -> Round:
-        """Run one round and commit its tokens. `draft_cap == 0` means a plain full step."""
+        """Run one round and commit its tokens. `draft_cap == 0` means a plain full step;
+        drafts use the exit head's vocabulary `level`."""
         model, sampling = self.model, self.sampling
         num_layers = model.num_layers
         pos = len(self.tokens) - 1
         if draft_cap < 1 or not 0 < exit_layer <= num_layers:
-            exit_layer, draft_cap = 0, 0
+            exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
         drafted: list[int] = []
         confidences: list[float] = []
@@ -171,7 +201,7 @@ class Engine:
             states.append(h)
             if layers is not None:
                 early.append(torch.stack(layers))
-            token, confidence = self._draft_token(h, exit_layer, draft_probs)
+            token, confidence = self._draft_token(h, exit_layer, level, draft_probs)
             drafted.append(token)
             confidences.append(confidence)
             if (
@@ -218,7 +248,9 @@ class Engine:
         if collect:
             per_layer = [torch.cat(early, 1)] if early else []
             hidden = torch.cat(per_layer + ([torch.stack(deep)] if deep else []))
-        record = Round(pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden)
+        record = Round(
+            pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden, level=level
+        )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         if self._context is not None:
             context_hidden, context_targets = self._context
@@ -230,11 +262,11 @@ class Engine:
         return record
 
     def _draft_token(
-        self, h: Tensor, exit_layer: int, draft_probs: list[Tensor]
+        self, h: Tensor, exit_layer: int, level: int, draft_probs: list[Tensor]
     ) -> tuple[int, float]:
         """Draw one draft token from the exit head; keeps its distribution when sampling."""
-        logits = self.exit_head(h, exit_layer)[0]
-        vocab = self.exit_head.vocab
+        logits = self.exit_head(h, exit_layer, level)[0]
+        vocab = self.exit_head.vocabs[level]
         if self.sampling.greedy:
             probs = torch.softmax(logits, -1, dtype=_float(logits.dtype))
             column = int(probs.argmax())

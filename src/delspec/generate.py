@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from delspec.adapters import ExitAdapters, draft_head
+from delspec.adapters import DraftVocab, ExitAdapters, draft_head
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
@@ -131,7 +131,9 @@ def decode_tokens(
             break
         plan = policy.plan()
         cap = min(plan.draft_cap, max_new_tokens - generated - 1, room - 1)
-        record = engine.round(plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden)
+        record = engine.round(
+            plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden, plan.level
+        )
         t_obs = time.perf_counter()
         policy.observe(record)
         stats.policy_s += time.perf_counter() - t_obs
@@ -178,6 +180,7 @@ def _trace_entry(index: int, record: Round) -> dict[str, Any]:
         "round": index,
         "position": record.position,
         "exit_layer": record.exit_layer,
+        "level": record.level,
         "drafted": len(record.drafted),
         "accepted": record.accepted,
         "committed": len(record.tokens),
@@ -298,7 +301,7 @@ def generate(
     trace: bool = False,
     exit_head: ExitHead | None = None,
     adapters: str | os.PathLike | ExitAdapters | None = "auto",
-    draft_vocab: int | str | None = "auto",
+    draft_vocab: DraftVocab = "auto",
     context_vocab: bool = True,
     int8_draft: bool | str = "auto",
     **strategy_options: Any,
@@ -313,9 +316,10 @@ def generate(
 
     Drafts use exit adapters (`adapters`: "auto" = the model's calibration file if it has one,
     a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
-    frequent tokens (see `delspec.adapters.draft_head`; "auto" = `FAST_DRAFT_VOCAB` for
-    `del-fast` when the vocabulary is at least twice that, else the full vocabulary) widened by
-    the prompt's and reply's own tokens (`context_vocab`), and run on int8 copies of the weights
+    frequent tokens, or a list of sizes that `del-fast` chooses from per round (see
+    `delspec.adapters.draft_head`; "auto" = `default_draft_vocab`: 16k, 32k, 64k or all tokens
+    for `del-fast` on large vocabularies, else the full vocabulary), widened by the prompt's and
+    reply's own tokens (`context_vocab`), and run on int8 copies of the weights
     (`int8_draft`; "auto" = for `del-fast`), unless `exit_head` is given. None of them changes
     the output.
     """

@@ -8,6 +8,7 @@ attention at p sees exactly positions 0..p, so rejected draft positions never ne
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -77,6 +78,12 @@ class Int8Weight:
         scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         self.weight = (w / scale[:, None]).round().to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)
+
+    def __getitem__(self, rows: slice) -> Int8Weight:
+        """A range of output rows (views, no copy), as `weight[rows]` would be."""
+        part = copy.copy(self)
+        part.weight, part.scale = self.weight[rows], self.scale[rows]
+        return part
 
     def __call__(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)

@@ -19,18 +19,25 @@ from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDr
 FAST_DEL = dict(
     cost="measured", no_draft=True, shadow_budget=0.01, warmup=4, runs=True, min_evidence=3
 )
-# del-fast drafts with the LM-head rows of this many most frequent tokens (when the vocabulary
-# is at least twice as large): drafting and shadow tokens then cost a fraction of the full head.
+# del-fast drafts with the LM-head rows of the most frequent tokens (when the vocabulary is at
+# least twice as large): drafting and shadow tokens then cost a fraction of the full head. Its
+# cost model picks, per round, this many rows, twice or four times as many (up to half the
+# vocabulary), or the full head, from how often the reply's tokens fall outside each.
 FAST_DRAFT_VOCAB = 16384
+FAST_VOCAB_LEVELS = 3
 
 DEFAULT_STRATEGY = "del-fast"
 
 
-def default_draft_vocab(strategy: str, vocab_size: int) -> int | None:
-    """The draft vocabulary `draft_vocab="auto"` means: `FAST_DRAFT_VOCAB` for `del-fast` when
-    the vocabulary is at least twice as large, else the full vocabulary (None)."""
-    large = vocab_size >= 2 * FAST_DRAFT_VOCAB
-    return FAST_DRAFT_VOCAB if strategy == "del-fast" and large else None
+def default_draft_vocab(strategy: str, vocab_size: int) -> list[int | None] | None:
+    """The draft vocabularies `draft_vocab="auto"` means: for `del-fast` on a vocabulary of at
+    least twice `FAST_DRAFT_VOCAB`, that many tokens, up to `FAST_VOCAB_LEVELS - 1` doublings
+    that stay within half the vocabulary, and the full vocabulary (None); else None (no
+    pruning)."""
+    if strategy != "del-fast" or vocab_size < 2 * FAST_DRAFT_VOCAB:
+        return None
+    sizes = [FAST_DRAFT_VOCAB << i for i in range(FAST_VOCAB_LEVELS)]
+    return [k for k in sizes if 2 * k <= vocab_size] + [None]
 
 
 def default_int8_draft(strategy: str, device: torch.device) -> bool:

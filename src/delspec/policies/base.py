@@ -10,13 +10,15 @@ from delspec.errors import ConfigError
 
 @dataclass(frozen=True)
 class Plan:
-    """The next round: draft up to `draft_cap` tokens with layers [0, exit_layer).
+    """The next round: draft up to `draft_cap` tokens with layers [0, exit_layer) and the exit
+    head's draft vocabulary `level` (`ExitHead.vocabs`).
 
     `draft_cap == 0` asks for a plain autoregressive step through the full model.
     """
 
     exit_layer: int
     draft_cap: int
+    level: int = 0
 
 
 class Policy:

@@ -46,6 +46,14 @@ class DynamicExit(Policy):
       right one gains.
     - `min_evidence=n`: a layer drafts only once its (decayed) statistics cover n positions, so
       one lucky match at a cheap layer cannot start drafts that are then rejected.
+    - with `cost="measured"` and an exit head of several draft vocabularies (`ExitHead.vocabs`,
+      smallest first), the plan also picks the vocabulary: a larger one costs more per draft
+      token but can draft more of the reply. Statistics are kept per (vocabulary, layer).
+      Shadow tokens score the smallest vocabulary; a target token it lacks (before the round
+      admitted it to the context) counts as a match for the larger vocabularies that hold it
+      where the layer's logit of it reaches the smallest vocabulary's best (one dot product
+      per such position, not a larger shadow head); drafts count for every vocabulary that
+      held them.
     - `runs=True`: acceptances come in runs (a token after an accepted one is easier), so the
       expected tokens of a draft use each layer's acceptance given the previous token's
       (`ExitStatistics.continuation`) after the first draft token, not alpha for every one.
@@ -125,10 +133,12 @@ class DynamicExit(Policy):
         self.exit_layers = torch.tensor(self.candidates)
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
-        self.stats = ExitStatistics(len(self.candidates), self.omega)
-        self.exit_layer, self.draft_length = self.candidates[0], 1
-        self.tau = self.stats.threshold()
-        self.tau_exit = float(self.tau[0])
+        self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
+        # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
+        self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
+        # rows (level, candidate), level-major
+        self.stats = ExitStatistics(self.levels * len(self.candidates), self.omega)
+        self.tau_exit = float(self.stats.threshold()[0])
         self.alpha_trace = [0.0] * len(self.candidates)
         self.warm = True
         self.collect_hidden = True
@@ -147,7 +157,8 @@ class DynamicExit(Policy):
             return Plan(0, 0) if self.no_draft else Plan(self.candidates[0], 1)
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
-        return Plan(self.exit_layer, self.draft_length if self.cap_at_optimum else self.draft_cap)
+        cap = self.draft_length if self.cap_at_optimum else self.draft_cap
+        return Plan(self.exit_layer, cap, self.level)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.tau_exit
@@ -177,6 +188,7 @@ class DynamicExit(Policy):
             alpha=self.alpha_trace,
             next_exit_layer=self.exit_layer,
             next_draft_length=self.draft_length,
+            next_level=self.level,
             shadow_s=elapsed,
             scored_layers=0 if rows is None else len(rows),
         )
@@ -212,34 +224,60 @@ class DynamicExit(Policy):
     def _score(self, record: Round, rows: torch.Tensor, positions: torch.Tensor) -> None:
         layers = [self.candidates[r] for r in rows.tolist()]
         hidden = record.hidden[[e - 1 for e in layers]][:, positions]  # layer E -> hidden[E-1]
-        logits = self.exit_head.shadow(hidden, layers).float()
+        head = self.exit_head
+        logits = head.shadow(hidden, layers).float()
         top, column = logits.max(-1)
         confidence = torch.exp(top - torch.logsumexp(logits, -1)).cpu()
-        vocab = self.exit_head.vocab
+        vocab = head.vocab
         tokens = (column if vocab is None else vocab[column]).cpu()
-        match = tokens == record.targets.cpu()[positions][None, :]
+        targets = record.targets.cpu()[positions]
+        match = tokens == targets[None, :]
         valid = torch.ones(len(positions), dtype=torch.bool)
         if record.exit_layer in layers:
             row = layers.index(record.exit_layer)
             misses = (~match[row, record.context :]).nonzero()
             if len(misses):
                 valid[record.context + int(misses[0]) + 1 :] = False
+        if self.levels > 1:
+            covered = head.covered(targets)  # [levels, positions]
+            outside = (~covered[0]).nonzero()[:, 0]
+            if len(outside):  # would the layer's logit of the target beat the smallest's best?
+                wanted = targets[outside].to(hidden.device)
+                reach = head.token_logits(hidden[:, outside], layers, wanted).float()
+                match[:, outside] |= (reach >= top[:, outside]).cpu()
+            match = (match[None] & covered[:, None]).flatten(0, 1)
+            confidence = confidence.repeat(self.levels, 1)
+            rows = self._level_rows(rows)
         self.stats.update(match, confidence, valid, rows)
 
+    def _level_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
+        offsets = torch.arange(self.levels)[:, None] * len(self.candidates)
+        return (offsets + rows[None, :]).flatten()
+
     def _count_drafts(self, record: Round) -> None:
-        """Update the exit layer from the round's drafts: accepted ones, then the first miss."""
+        """Update the exit layer from the round's drafts: accepted ones, then the first miss;
+        each vocabulary level counts the accepted drafts it held."""
         seen = min(record.accepted + 1, len(record.drafted))
         match = torch.arange(seen) < record.accepted
         confidence = torch.tensor(record.confidences[:seen])
         row = torch.tensor([self.candidates.index(record.exit_layer)])
-        self.stats.update(match[None], confidence[None], torch.ones(seen, dtype=torch.bool), row)
+        if self.levels > 1:
+            match = match[None] & self.exit_head.covered(torch.tensor(record.drafted[:seen]))
+            confidence, row = confidence.repeat(self.levels, 1), self._level_rows(row)
+        else:
+            match, confidence = match[None], confidence[None]
+        self.stats.update(match, confidence, torch.ones(seen, dtype=torch.bool), row)
 
     def _choose(self) -> None:
-        alpha = self.stats.alpha(self.prior)
-        self.alpha_trace = [round(a, 4) for a in alpha.tolist()]  # for traces, once per update
+        count = len(self.candidates)
+        alpha = self.stats.alpha(self.prior)  # [levels * candidates]
+        self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
         continuation = self.stats.continuation(self.prior) if self.runs else None
         value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
-            self.exit_layers, self.draft_lengths
+            self.exit_layers.repeat(self.levels),
+            self.draft_lengths,
+            torch.arange(self.levels).repeat_interleave(count),
         )
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
@@ -251,9 +289,9 @@ class DynamicExit(Policy):
             and plain is not None
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
-            row, column = len(alpha) - 1 - int(torch.argmax(alpha.flip(0))), plain
-        self.exit_layer = self.candidates[row]
+            row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
+        self.level, candidate = divmod(row, count)
+        self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
-        self.tau = self.stats.threshold()
-        self.tau_exit = float(self.tau[row])
+        self.tau_exit = float(self.stats.threshold()[row])
         self.warm = False
