@@ -291,11 +291,12 @@ class DraftHead(ExitHead):
         context_vocab: bool = True,
         int8: bool = False,
     ) -> None:
-        super().__init__(model, int8)
-        device, dtype = model.device, model.dtype
         levels = [vocab] if vocab is None or isinstance(vocab, Tensor) else list(vocab)
         if not levels or None in levels[:-1]:
             raise ConfigError("draft vocabularies: only the last (largest) may be the full one")
+        full = levels[-1] is None
+        super().__init__(model, int8, full)
+        device, dtype = model.device, model.dtype
         pruned = [v.to(device) for v in levels if v is not None]
         # The pruned levels' tokens, level by level, so that every level is a prefix of `order`.
         order: dict[int, None] = {}
@@ -306,12 +307,11 @@ class DraftHead(ExitHead):
             order.update(ids)
         self.order = torch.tensor(list(order), dtype=torch.long, device=device)
         sizes = [len(v) for v in pruned]
-        full = levels[-1] is None
         self._sizes = sizes + [model.config.vocab_size] * full
         weight = model.lm_head.weight
         rows = weight[self.order].contiguous()
-        drafts = self.drafting(rows) if sizes else None
-        self.draft_weights = [drafts[:k] for k in sizes] + [self.drafting(None)] * full
+        drafts = Int8Weight(rows) if int8 and sizes else rows
+        self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [self.order[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
         # the smallest level's exact rows, for shadow tokens (None: the model's own head)
@@ -340,7 +340,7 @@ class DraftHead(ExitHead):
         n = self.model.norm(h)
         if exit_layer in self.adapted:
             n = adapt(n, self.down[exit_layer], self.up[exit_layer])
-        return self._project(n, self.draft_weights[level], self.extras[level])
+        return self._project(n, self.draft_weights[level], self.extras[level], self.int8)
 
     def exit_states(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         n = self.model.norm(hidden)
@@ -355,8 +355,10 @@ class DraftHead(ExitHead):
     def vocab_sizes(self) -> list[int]:
         return list(self._sizes)
 
-    def _project(self, n: Tensor, weight: Tensor | Int8Weight | None, extra: Tensor) -> Tensor:
-        logits = self.model.project(n, weight)
+    def _project(
+        self, n: Tensor, weight: Tensor | Int8Weight | None, extra: Tensor, int8: bool = False
+    ) -> Tensor:
+        logits = self.model.project(n, weight, int8)
         if not len(extra):
             return logits
         return torch.cat([logits, self.model.project(n, extra)], -1)

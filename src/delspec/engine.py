@@ -37,7 +37,9 @@ class ExitHead:
     vocabularies (token id of each logit column) or transform the exit state.
     """
 
-    def __init__(self, model: Transformer, int8: bool = False) -> None:
+    def __init__(self, model: Transformer, int8: bool = False, full_head: bool = True) -> None:
+        """`full_head`: whether drafts may project onto the whole LM head (with `int8`, its int8
+        copy is then made now rather than in the first round)."""
         self.model = model
         self.int8 = int8
         if int8:
@@ -47,16 +49,12 @@ class ExitHead:
                     "draft in full precision (int8_draft=False, --int8-draft off)"
                 )
             model.make_int8_copies()
+            if full_head:
+                model.lm_head.int8_weight()
         # per level: the LM head rows drafts project onto (None: the whole head, in id order)
-        self.draft_weights: list[Tensor | Int8Weight | None] = [self.drafting(None)]
+        self.draft_weights: list[Tensor | Int8Weight | None] = [None]
         # per level: the token id of each logit column (None: column = token id)
         self.vocabs: list[Tensor | None] = [None]
-
-    def drafting(self, weight: Tensor | None) -> Tensor | Int8Weight | None:
-        """LM head rows `weight` (None: all) as drafts use them: an int8 copy with `int8`."""
-        if not self.int8:
-            return weight
-        return self.model.lm_head.int8_weight() if weight is None else Int8Weight(weight)
 
     @property
     def vocab(self) -> Tensor | None:
@@ -76,7 +74,7 @@ class ExitHead:
 
     def __call__(self, h: Tensor, exit_layer: int, level: int = 0) -> Tensor:
         """Logits `[tokens, len(vocabs[level])]` of layer `exit_layer`'s states `h`."""
-        return self.model.head(h, self.draft_weights[level])
+        return self.model.head(h, self.draft_weights[level], self.int8)
 
     def exit_states(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         """Each listed layer's states `[layers, positions, hidden]` as the head projects them:

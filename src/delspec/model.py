@@ -407,14 +407,19 @@ class Transformer(nn.Module):
                 collect.append(h)
         return h
 
-    def head(self, h: Tensor, weight: Tensor | Int8Weight | None = None) -> Tensor:
-        """Final norm + LM head -> logits. `weight` may be a row subset of the LM head."""
-        return self.project(self.norm(h), weight)
+    def head(
+        self, h: Tensor, weight: Tensor | Int8Weight | None = None, int8: bool = False
+    ) -> Tensor:
+        """Final norm + LM head -> logits. `weight` may be a row subset of the LM head; without
+        one, `int8` uses the LM head's int8 copy."""
+        return self.project(self.norm(h), weight, int8)
 
-    def project(self, n: Tensor, weight: Tensor | Int8Weight | None = None) -> Tensor:
+    def project(
+        self, n: Tensor, weight: Tensor | Int8Weight | None = None, int8: bool = False
+    ) -> Tensor:
         """LM head (+ final logit soft-capping) on already normalised states `n`."""
         if weight is None:
-            logits = self.lm_head(n)
+            logits = self.lm_head(n, int8)
         elif isinstance(weight, Int8Weight):
             logits = weight(n)
         else:

@@ -2,7 +2,8 @@
 
 A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strategy and fixed
 options. Adding a variant is one entry. delspec methods also take the exit-head options
-``adapters`` ("auto", a file, or "none", the default), ``draft_vocab`` (a size, or "auto"),
+``adapters`` ("auto", a file, or "none", the default), ``draft_vocab`` (a size, sizes
+``a/b/c`` to choose from per round, or "auto"),
 ``context_vocab`` (true, the default, or false) and ``int8_draft`` (true, false, the default,
 or "auto").
 On the command line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
@@ -53,8 +54,9 @@ METHODS: dict[str, MethodSpec] = {
         "del-fast",
         {"adapters": "auto", "draft_vocab": "auto", "int8_draft": "auto"},
         description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
-        "rounds, 1% shadow budget, acceptance in runs, int8 drafts, pruned draft vocabulary "
-        "with the context's tokens and the final layer, calibrated adapters where they apply",
+        "rounds, 1% shadow budget, acceptance in runs, int8 drafts, pruned draft vocabularies "
+        "(size chosen per round) with the context's tokens and the final layer, calibrated "
+        "adapters where they apply",
     ),
     "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
     "static-sweep": MethodSpec(

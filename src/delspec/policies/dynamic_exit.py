@@ -238,17 +238,17 @@ class DynamicExit(Policy):
             misses = (~match[row, record.context :]).nonzero()
             if len(misses):
                 valid[record.context + int(misses[0]) + 1 :] = False
-        if self.levels > 1:
-            covered = head.covered(targets)  # [levels, positions]
-            outside = (~covered[0]).nonzero()[:, 0]
-            if len(outside):  # would the layer's logit of the target beat the smallest's best?
-                wanted = targets[outside].to(hidden.device)
-                reach = head.token_logits(hidden[:, outside], layers, wanted).float()
-                match[:, outside] |= (reach >= top[:, outside]).cpu()
-            match = (match[None] & covered[:, None]).flatten(0, 1)
-            confidence = confidence.repeat(self.levels, 1)
-            rows = self._level_rows(rows)
-        self.stats.update(match, confidence, valid, rows)
+        # A target a vocabulary lacked (before the round admitted it) is a miss there; for the
+        # larger ones, would the layer's logit of it beat the smallest vocabulary's best?
+        covered = head.covered(targets)[: self.levels]  # [levels, positions]
+        outside = (~covered[0]).nonzero()[:, 0]
+        if self.levels > 1 and len(outside):
+            wanted = targets[outside].to(hidden.device)
+            reach = head.token_logits(hidden[:, outside], layers, wanted).float()
+            match[:, outside] |= (reach >= top[:, outside]).cpu()
+        match = (match[None] & covered[:, None]).flatten(0, 1)
+        rows = self._level_rows(rows)
+        self.stats.update(match, confidence.repeat(self.levels, 1), valid, rows)
 
     def _level_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
@@ -260,14 +260,12 @@ class DynamicExit(Policy):
         each vocabulary level counts the accepted drafts it held."""
         seen = min(record.accepted + 1, len(record.drafted))
         match = torch.arange(seen) < record.accepted
-        confidence = torch.tensor(record.confidences[:seen])
-        row = torch.tensor([self.candidates.index(record.exit_layer)])
-        if self.levels > 1:
-            match = match[None] & self.exit_head.covered(torch.tensor(record.drafted[:seen]))
-            confidence, row = confidence.repeat(self.levels, 1), self._level_rows(row)
-        else:
-            match, confidence = match[None], confidence[None]
-        self.stats.update(match, confidence, torch.ones(seen, dtype=torch.bool), row)
+        match = match[None] & self.exit_head.covered(torch.tensor(record.drafted[:seen]))
+        confidence = torch.tensor(record.confidences[:seen]).repeat(self.levels, 1)
+        rows = self._level_rows(torch.tensor([self.candidates.index(record.exit_layer)]))
+        self.stats.update(
+            match[: self.levels], confidence, torch.ones(seen, dtype=torch.bool), rows
+        )
 
     def _choose(self) -> None:
         count = len(self.candidates)
