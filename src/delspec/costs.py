@@ -190,30 +190,40 @@ def cached_profile(
     """The profile for this model and setting from `directory`, measured again when missing,
     older than a week, or measured for fewer tokens. Draft head timings are stored per
     vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is measured and added."""
-    key = profile_key(exit_head)
+    path = directory / f"profile-{profile_key(exit_head)}.json"
     vocab = ",".join(map(str, exit_head.vocab_sizes))
-    path = directory / f"profile-{key}.json"
+    stored = _read_profile(path, max_tokens)
+    if stored is None:
+        print(
+            f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
+            f"{directory})",
+            file=sys.stderr,
+        )
+        profile = measure_profile(exit_head, exit_layer, max_tokens)
+        _write_profile(path, profile, {vocab: profile.draft_head})
+        return profile
+    profile, draft_heads = stored
+    if vocab in draft_heads:
+        profile.draft_head = draft_heads[vocab]
+    else:
+        profile.draft_head = draft_heads[vocab] = measure_draft_heads(exit_head, exit_layer)
+        _write_profile(path, profile, draft_heads)
+    return profile
+
+
+def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
+    """A stored profile (without draft head timings) and its draft heads' timings; None when
+    missing, unreadable, of another version, older than a week, or for fewer tokens."""
     try:
         stored = json.loads(path.read_text())
-        drafts = stored.pop("draft_heads")
-        profile = CostProfile(**stored, draft_head=drafts.get(vocab, []))
-        fresh = time.time() - profile.measured_at < PROFILE_MAX_AGE_S
-        if not (fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens):
-            raise ValueError("stale")
-        if not profile.draft_head:
-            profile.draft_head = drafts[vocab] = measure_draft_heads(exit_head, exit_layer)
-            _write_profile(path, profile, drafts)
-        return profile
+        draft_heads = dict(stored.pop("draft_heads"))
+        profile = CostProfile(**stored, draft_head=[])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    print(
-        f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
-        f"{directory})",
-        file=sys.stderr,
-    )
-    profile = measure_profile(exit_head, exit_layer, max_tokens)
-    _write_profile(path, profile, {vocab: profile.draft_head})
-    return profile
+        return None
+    fresh = time.time() - profile.measured_at < PROFILE_MAX_AGE_S
+    if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
+        return profile, draft_heads
+    return None
 
 
 def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:

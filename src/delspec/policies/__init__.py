@@ -22,7 +22,7 @@ FAST_DEL = dict(
 # del-fast drafts with the LM-head rows of the most frequent tokens (when the vocabulary is at
 # least twice as large): drafting and shadow tokens then cost a fraction of the full head. Its
 # cost model picks, per round, this many rows, twice or four times as many (up to half the
-# vocabulary), or the full head, from how often the reply's tokens fall outside each.
+# vocabulary), or the full head: a larger one costs more per draft token and may accept more.
 FAST_DRAFT_VOCAB = 16384
 FAST_VOCAB_LEVELS = 3
 
