@@ -305,21 +305,20 @@ class DraftHead(ExitHead):
             if not ids.keys() >= order.keys():
                 raise ConfigError("each draft vocabulary must contain the smaller ones")
             order.update(ids)
-        self.order = torch.tensor(list(order), dtype=torch.long, device=device)
+        ranked = torch.tensor(list(order), dtype=torch.long, device=device)
         sizes = [len(v) for v in pruned]
-        self._sizes = sizes + [model.config.vocab_size] * full
         weight = model.lm_head.weight
-        rows = weight[self.order].contiguous()
+        rows = weight[ranked].contiguous()
         drafts = Int8Weight(rows) if int8 and sizes else rows
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
-        self.base_vocabs: list[Tensor | None] = [self.order[:k] for k in sizes] + [None] * full
+        self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
         # the smallest level's exact rows, for shadow tokens (None: the model's own head)
         self.weight = rows[: sizes[0]] if sizes else None
         # the smallest level each token is in; len(levels) for none
         self.level_of = torch.full((model.config.vocab_size,), len(levels) - full)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
-            self.level_of[self.order[lo:hi].cpu()] = level
+            self.level_of[ranked[lo:hi].cpu()] = level
         self.context_vocab = context_vocab and bool(pruned)
         self.extras = [weight[:0]] * len(levels)  # per level: rows of context tokens outside it
         self.context: set[int] = set()  # the sequence's tokens so far
@@ -353,7 +352,8 @@ class DraftHead(ExitHead):
 
     @property
     def vocab_sizes(self) -> list[int]:
-        return list(self._sizes)
+        full = self.model.config.vocab_size
+        return [full if v is None else len(v) for v in self.base_vocabs]
 
     def _project(
         self, n: Tensor, weight: Tensor | Int8Weight | None, extra: Tensor, int8: bool = False
@@ -390,7 +390,7 @@ class DraftHead(ExitHead):
         self.context.update(new)
         ids = torch.tensor(new)
         for level, base in enumerate(self.base_vocabs):
-            outside = ids[self.level_of[ids] > level].to(self.order.device)
+            outside = ids[self.level_of[ids] > level].to(self.model.device)
             if base is None or not len(outside):
                 continue
             self.vocabs[level] = torch.cat([self.vocabs[level], outside])

@@ -130,14 +130,16 @@ class DynamicExit(Policy):
         self.exit_head = exit_head
         final = self.final_exit and exit_head.cheaper_at_final_layer
         self.candidates = self.base_candidates + ([self.num_layers] if final else [])
-        self.exit_layers = torch.tensor(self.candidates)
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
-        # rows (level, candidate), level-major
-        self.stats = ExitStatistics(self.levels * len(self.candidates), self.omega)
+        # statistics rows (level, candidate), level-major: each row's exit layer and level
+        count = len(self.candidates)
+        self.exit_layers = torch.tensor(self.candidates).repeat(self.levels)
+        self.row_levels = torch.arange(self.levels).repeat_interleave(count)
+        self.stats = ExitStatistics(self.levels * count, self.omega)
         self.tau_exit = float(self.stats.threshold()[0])
         self.alpha_trace = [0.0] * len(self.candidates)
         self.warm = True
@@ -273,9 +275,7 @@ class DynamicExit(Policy):
         self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
         continuation = self.stats.continuation(self.prior) if self.runs else None
         value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
-            self.exit_layers.repeat(self.levels),
-            self.draft_lengths,
-            torch.arange(self.levels).repeat_interleave(count),
+            self.exit_layers, self.draft_lengths, self.row_levels
         )
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
