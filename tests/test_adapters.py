@@ -156,6 +156,14 @@ def test_pruned_head_columns_are_the_kept_tokens(model, adapters):
             torch.testing.assert_close(shadow[row], full(hidden[row], layer))
     plain = ExitHead(model)
     torch.testing.assert_close(DraftHead(model)(h, 2), plain(h, 2))
+    # with int8 drafts, shadow tokens go through the int8 rows the smallest level drafts with
+    int8 = DraftHead(model, adapters, [vocab, None], context_vocab=False, int8=True)
+    shadow = int8.shadow(hidden, layers)
+    exact = DraftHead(model, adapters, vocab).shadow(hidden, layers)
+    for row, layer in enumerate(layers):
+        assert torch.equal(shadow[row], int8(hidden[row], layer, 0))
+    assert not torch.equal(shadow, exact)
+    torch.testing.assert_close(shadow, exact, atol=0.05 * float(exact.abs().max()), rtol=0)
     assert not torch.allclose(DraftHead(model, adapters)(h, 2), plain(h, 2))
 
 

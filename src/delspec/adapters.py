@@ -313,8 +313,9 @@ class DraftHead(ExitHead):
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
-        # the smallest level's exact rows, for shadow tokens (None: the model's own head)
-        self.weight = rows[: sizes[0]] if sizes else None
+        # the smallest level's rows, for shadow tokens (None: the model's own head); with int8
+        # drafts, the int8 ones they draft with (a quarter of the reads, and no exact copy kept)
+        self.weight = drafts[: sizes[0]] if sizes else None
         # the smallest level each token is in; len(levels) for none
         self.level_of = torch.full((model.config.vocab_size,), len(levels) - full)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):

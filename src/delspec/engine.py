@@ -32,9 +32,10 @@ class ExitHead:
     rows by default), and whether drafts run on int8 weights.
 
     A head offers one or more draft vocabularies ("levels", `vocabs`), smallest first; a round
-    drafts with one of them. With `int8`, draft layers and this head's own products use
-    `Int8Weight` copies (shadow tokens, scored on exact states, do not). Subclasses may prune
-    vocabularies (token id of each logit column) or transform the exit state.
+    drafts with one of them. With `int8`, draft layers and this head's own draft products use
+    `Int8Weight` copies (shadow tokens are scored on exact states; a head with a pruned
+    vocabulary projects them through its int8 rows). Subclasses may prune vocabularies (token id
+    of each logit column) or transform the exit state.
     """
 
     def __init__(self, model: Transformer, int8: bool = False, full_head: bool = True) -> None:
@@ -83,12 +84,12 @@ class ExitHead:
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
         """Batched logits `[layers, positions, len(vocab)]` of each listed layer's states, over
-        the smallest level's vocabulary, in full precision."""
+        the smallest level's vocabulary (in full precision here)."""
         return self.model.project(self.exit_states(hidden, exit_layers))
 
     def token_logits(self, hidden: Tensor, exit_layers: list[int], tokens: Tensor) -> Tensor:
         """`[layers, positions]`: each listed layer's logit of `tokens[p]` at position p, in
-        full precision (comparable with `shadow`'s)."""
+        full precision (comparable with `shadow`'s, up to int8 rounding there)."""
         n = self.exit_states(hidden, exit_layers)
         logits = self.model.project(n, self.model.lm_head.weight[tokens])
         return logits.diagonal(dim1=-2, dim2=-1)

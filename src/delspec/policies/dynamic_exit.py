@@ -14,6 +14,7 @@ from delspec.policies.base import Plan, Policy, check_draft_length
 
 COSTS = ("layers", "measured")
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
+MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
 
 
 class DynamicExit(Policy):
@@ -62,11 +63,12 @@ class DynamicExit(Policy):
       Round 0 is then a plain step too (scored at the candidates), not a one-token draft.
     - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
       positions in the valid context are decoded, and each round scores the exit layer, its
-      neighbours and a rotating share of the other candidates as the budget allows (rounds may
-      skip scoring altogether; the warm-up scores `WARM_LAYERS` evenly spread candidates and
-      is not charged to the budget); a layer's statistics decay only when it is scored. A round
-      that is not scored still updates the exit layer from its own drafts, which cost nothing
-      to score: the accepted ones matched, the first rejected one did not.
+      neighbours and a rotating share of the other candidates as the budget allows, over as
+      many of those positions as it allows (rounds may skip scoring altogether; the warm-up
+      scores `WARM_LAYERS` evenly spread candidates and is not charged to the budget); a
+      layer's statistics decay only when it is scored. A round that is not scored still
+      updates the exit layer from its own drafts, which cost nothing to score: the accepted
+      ones matched, the first rejected one did not.
     """
 
     name = "del"
@@ -205,12 +207,15 @@ class DynamicExit(Policy):
             return spread.round().long().unique(), everything
         if record.hidden is None:
             return None, everything
-        # Only the valid context can count: context + positions whose inputs were all accepted.
-        positions = everything[: record.context + record.accepted + 1]
-        affordable = int(self.credit / max(self.row_cost * len(positions), 1e-9))
         here = self.candidates.index(self.exit_layer)
         must = [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
-        count = min(len(self.candidates), max(affordable, len(must) + 1))  # + one rotating
+        least = len(must) + 1  # + one rotating
+        cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
+        # Only the valid context can count: context + positions whose inputs were all accepted;
+        # of those, the first ones the least rows can afford (MIN_POSITIONS at least).
+        valid = record.context + record.accepted + 1
+        positions = everything[: min(valid, max(cells // least, MIN_POSITIONS))]
+        count = min(len(self.candidates), max(cells // len(positions), least))
         chosen = dict.fromkeys(must)
         while len(chosen) < count:
             chosen.setdefault(self.cursor)
@@ -221,7 +226,7 @@ class DynamicExit(Policy):
         """Under a budget, collect hidden states only for rounds that can afford scoring."""
         if self.shadow_budget is None:
             return True
-        return self.credit >= self.row_cost * 3
+        return self.credit >= self.row_cost * 4 * MIN_POSITIONS  # up to 4 rows
 
     def _score(self, record: Round, rows: torch.Tensor, positions: torch.Tensor) -> None:
         layers = [self.candidates[r] for r in rows.tolist()]
