@@ -273,3 +273,21 @@ def test_the_warm_up_is_not_charged_to_the_shadow_budget():
     (warm_up,) = got.trace
     assert warm_up["scored_layers"] == model.num_layers - 1  # every candidate of a tiny model
     assert warm_up["shadow_ms"] > 0 and policy.credit > 0  # credit only grew by the round
+
+
+def test_a_scored_round_takes_only_the_positions_its_credit_affords():
+    model = tiny_model(seed=3, num_layers=LAYERS)
+    policy = make_policy("del", LAYERS, shadow_budget=0.01, no_draft=True)
+    policy.start(ExitHead(model))
+    policy.warm, policy.exit_layer, policy.row_cost = False, 5, 0.001  # 1 ms per (layer, position)
+    hidden = torch.zeros(LAYERS, 12, model.config.hidden_size, dtype=model.dtype)
+    drafts = list(range(11))
+    record = Round(0, 5, drafts, [0.9] * 11, 11, [*drafts, 0], torch.zeros(12).long(), hidden)
+    for credit, rows, positions in ((0.008, 4, 2), (0.024, 4, 6), (0.06, 5, 12), (1.0, 9, 12)):
+        policy.credit = credit
+        chosen, scored = policy._scope(record)
+        assert (len(chosen), len(scored)) == (rows, positions)
+        assert {4, 5, 6} <= {policy.candidates[r] for r in chosen.tolist()}  # E and neighbours
+        assert scored.tolist() == list(range(positions))  # the first of the valid positions
+    policy.credit = 0.0079
+    assert not policy._will_score_next()  # not even 4 layers at 2 positions
