@@ -313,9 +313,6 @@ class DraftHead(ExitHead):
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
-        # the smallest level's rows, for shadow tokens (None: the model's own head); with int8
-        # drafts, the int8 ones they draft with (a quarter of the reads, and no exact copy kept)
-        self.weight = drafts[: sizes[0]] if sizes else None
         # the smallest level each token is in; len(levels) for none
         self.level_of = torch.full((model.config.vocab_size,), len(levels) - full)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
@@ -349,7 +346,10 @@ class DraftHead(ExitHead):
         return n
 
     def shadow(self, hidden: Tensor, exit_layers: list[int]) -> Tensor:
-        return self._project(self.exit_states(hidden, exit_layers), self.weight, self.extras[0])
+        # The smallest level's draft rows (int8 ones with int8 drafts: a quarter of the reads);
+        # without pruning, the model's own exact head.
+        states = self.exit_states(hidden, exit_layers)
+        return self._project(states, self.draft_weights[0], self.extras[0])
 
     @property
     def vocab_sizes(self) -> list[int]:

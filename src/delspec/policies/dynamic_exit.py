@@ -207,8 +207,7 @@ class DynamicExit(Policy):
             return spread.round().long().unique(), everything
         if record.hidden is None:
             return None, everything
-        here = self.candidates.index(self.exit_layer)
-        must = [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
+        must = self._must_score()
         least = len(must) + 1  # + one rotating
         cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
         # Only the valid context can count: context + positions whose inputs were all accepted;
@@ -222,11 +221,17 @@ class DynamicExit(Policy):
             self.cursor = (self.cursor + 1) % len(self.candidates)
         return torch.tensor(sorted(chosen)), positions
 
+    def _must_score(self) -> list[int]:
+        """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
+        here = self.candidates.index(self.exit_layer)
+        return [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
+
     def _will_score_next(self) -> bool:
-        """Under a budget, collect hidden states only for rounds that can afford scoring."""
+        """Under a budget, collect hidden states only for rounds that can afford scoring: the
+        rows they must score, plus one rotating, at `MIN_POSITIONS` positions."""
         if self.shadow_budget is None:
             return True
-        return self.credit >= self.row_cost * 4 * MIN_POSITIONS  # up to 4 rows
+        return self.credit >= self.row_cost * (len(self._must_score()) + 1) * MIN_POSITIONS
 
     def _score(self, record: Round, rows: torch.Tensor, positions: torch.Tensor) -> None:
         layers = [self.candidates[r] for r in rows.tolist()]
