@@ -163,6 +163,19 @@ def test_round_zero_uses_the_prompt_window_and_state_resets_per_prompt():
     assert torch.equal(policy.stats.matched, stats_after_first)  # nothing carried over
 
 
+@pytest.mark.parametrize("strategy", ["del", "dele"])
+def test_only_del_stops_drafts_by_confidence(strategy):
+    """DEL ends a draft at a token whose confidence is below tau; DELE drafts its cap."""
+    model = tiny_model(seed=2, shallow=2)
+    policy = make_policy(strategy, model.num_layers, cost="measured")
+    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=60, trace=True)
+    rounds = got.trace[1:-1]  # drafting rounds that neither start nor end the reply
+    caps = [r["next_draft_cap"] for r in got.trace[:-2]]
+    stopped = [r["drafted"] < cap for r, cap in zip(rounds, caps, strict=True)]
+    assert all(r["drafted"] <= cap for r, cap in zip(rounds, caps, strict=True))
+    assert any(stopped) if strategy == "del" else not any(stopped)
+
+
 def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
     """The cached per-layer states of a round decode exactly like a forward pass exiting there."""
     model = tiny_model(seed=5, shallow=2)

@@ -38,13 +38,15 @@ class DynamicExit(Policy):
       runs a cheaper copy of the model (pruned LM head, int8 weights), and verification is one
       pass over the drafted positions.
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
-      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
-      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
-      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
-      promise `margin` (default 5%) more tokens per second than a plain step, or the round is
-      plain: estimates from a few positions are noisy, and a wrong draft costs more than a
-      right one gains.
+      this device (`delspec.costs`) plus the policy's own measured overhead per round. The draft
+      is capped (verifying more tokens than pays can cost several plain steps on a CPU): at the
+      draft length that would give the most tokens per second if every token were accepted, d*
+      at least, since the tau stop already ends drafts at unconfident tokens (d* assumes all d*
+      are drafted); at d* without the tau stop (DELE). alpha counts `prior` unseen mismatches
+      (default 1; 0 with the paper's cost), so that a layer seen at a few positions cannot look
+      certain. With `no_draft`, a draft must promise `margin` (default 5%) more tokens per
+      second than a plain step, or the round is plain: estimates from a few positions are
+      noisy, and a wrong draft costs more than a right one gains.
     - `min_evidence=n`: a layer drafts only once its (decayed) statistics cover n positions, so
       one lucky match at a cheap layer cannot start drafts that are then rejected.
     - with `cost="measured"` and an exit head of several draft vocabularies (`ExitHead.vocabs`,
@@ -122,7 +124,7 @@ class DynamicExit(Policy):
         self.prior, self.margin, self.runs = prior, margin, runs
         self.min_evidence = min_evidence
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
-        # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
+        # Drafts are capped near the optimum d* unless they stop by confidence alone (the paper).
         self.cap_at_optimum = measured or not dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
@@ -135,6 +137,7 @@ class DynamicExit(Policy):
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
+        self.draft_limit = 1  # the next plan's draft cap
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
         # statistics rows (level, candidate), level-major: each row's exit layer and level
@@ -161,11 +164,10 @@ class DynamicExit(Policy):
             return Plan(0, 0) if self.no_draft else Plan(self.candidates[0], 1)
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
-        cap = self.draft_length if self.cap_at_optimum else self.draft_cap
-        return Plan(self.exit_layer, cap, self.level)
+        return Plan(self.exit_layer, self.draft_limit, self.level)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
-        return confidence >= self.tau_exit
+        return not self.dynamic_draft or confidence >= self.tau_exit
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
@@ -192,6 +194,7 @@ class DynamicExit(Policy):
             alpha=self.alpha_trace,
             next_exit_layer=self.exit_layer,
             next_draft_length=self.draft_length,
+            next_draft_cap=self.draft_limit,
             next_level=self.level,
             shadow_s=elapsed,
             scored_layers=0 if rows is None else len(rows),
@@ -284,9 +287,8 @@ class DynamicExit(Policy):
         alpha = self.stats.alpha(self.prior)  # [levels * candidates]
         self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
         continuation = self.stats.continuation(self.prior) if self.runs else None
-        value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
-            self.exit_layers, self.draft_lengths, self.row_levels
-        )
+        seconds = self.cost.grid(self.exit_layers, self.draft_lengths, self.row_levels)
+        value = expected_tokens(alpha, self.draft_lengths, continuation) / seconds
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
             value[unproven] = value[unproven, self.plain_column][:, None]
@@ -301,5 +303,19 @@ class DynamicExit(Policy):
         self.level, candidate = divmod(row, count)
         self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
+        self.draft_limit = self._draft_limit(seconds[row])
         self.tau_exit = float(self.stats.threshold()[row])
         self.warm = False
+
+    def _draft_limit(self, seconds: torch.Tensor) -> int:
+        """The next draft's cap, given d* and the chosen row's round `seconds` per draft length:
+        `draft_cap` (the paper), d* (DELE), or with the tau stop and a measured cost, the draft
+        length that would give the most tokens per second if every token were accepted (d* at
+        least); never above `draft_cap`."""
+        if not self.cap_at_optimum:
+            return self.draft_cap
+        limit = self.draft_length
+        if self.dynamic_draft and limit > 0:
+            full = self.draft_lengths[int(torch.argmax((self.draft_lengths + 1) / seconds))]
+            limit = max(limit, int(full))
+        return min(limit, self.draft_cap)
