@@ -38,15 +38,13 @@ class DynamicExit(Policy):
       runs a cheaper copy of the model (pruned LM head, int8 weights), and verification is one
       pass over the drafted positions.
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured overhead per round. The draft
-      is capped (verifying more tokens than pays can cost several plain steps on a CPU): at the
-      draft length that would give the most tokens per second if every token were accepted, d*
-      at least, since the tau stop already ends drafts at unconfident tokens (d* assumes all d*
-      are drafted); at d* without the tau stop (DELE). alpha counts `prior` unseen mismatches
-      (default 1; 0 with the paper's cost), so that a layer seen at a few positions cannot look
-      certain. With `no_draft`, a draft must promise `margin` (default 5%) more tokens per
-      second than a plain step, or the round is plain: estimates from a few positions are
-      noisy, and a wrong draft costs more than a right one gains.
+      this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
+      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
+      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
+      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
+      promise `margin` (default 5%) more tokens per second than a plain step, or the round is
+      plain: estimates from a few positions are noisy, and a wrong draft costs more than a
+      right one gains.
     - `min_evidence=n`: a layer drafts only once its (decayed) statistics cover n positions, so
       one lucky match at a cheap layer cannot start drafts that are then rejected.
     - with `cost="measured"` and an exit head of several draft vocabularies (`ExitHead.vocabs`,
@@ -124,7 +122,7 @@ class DynamicExit(Policy):
         self.prior, self.margin, self.runs = prior, margin, runs
         self.min_evidence = min_evidence
         self.draft_lengths = torch.arange(gamma_min, gamma_max)
-        # Drafts are capped near the optimum d* unless they stop by confidence alone (the paper).
+        # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
         self.cap_at_optimum = measured or not dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
@@ -287,8 +285,9 @@ class DynamicExit(Policy):
         alpha = self.stats.alpha(self.prior)  # [levels * candidates]
         self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
         continuation = self.stats.continuation(self.prior) if self.runs else None
-        seconds = self.cost.grid(self.exit_layers, self.draft_lengths, self.row_levels)
-        value = expected_tokens(alpha, self.draft_lengths, continuation) / seconds
+        value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
+            self.exit_layers, self.draft_lengths, self.row_levels
+        )
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
             value[unproven] = value[unproven, self.plain_column][:, None]
@@ -303,19 +302,12 @@ class DynamicExit(Policy):
         self.level, candidate = divmod(row, count)
         self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
-        self.draft_limit = self._draft_limit(seconds[row])
+        self.draft_limit = self._draft_limit()
         self.tau_exit = float(self.stats.threshold()[row])
         self.warm = False
 
-    def _draft_limit(self, seconds: torch.Tensor) -> int:
-        """The next draft's cap, given d* and the chosen row's round `seconds` per draft length:
-        `draft_cap` (the paper), d* (DELE), or with the tau stop and a measured cost, the draft
-        length that would give the most tokens per second if every token were accepted (d* at
-        least); never above `draft_cap`."""
+    def _draft_limit(self) -> int:
+        """The next draft's cap: `draft_cap` (the paper), else d*, never above `draft_cap`."""
         if not self.cap_at_optimum:
             return self.draft_cap
-        limit = self.draft_length
-        if self.dynamic_draft and limit > 0:
-            full = self.draft_lengths[int(torch.argmax((self.draft_lengths + 1) / seconds))]
-            limit = max(limit, int(full))
-        return min(limit, self.draft_cap)
+        return min(self.draft_length, self.draft_cap)
