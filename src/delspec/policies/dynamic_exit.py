@@ -135,7 +135,6 @@ class DynamicExit(Policy):
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
-        self.draft_limit = 1  # the next plan's draft cap
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
         # statistics rows (level, candidate), level-major: each row's exit layer and level
@@ -163,6 +162,11 @@ class DynamicExit(Policy):
         if self.no_draft and self.draft_length == 0:
             return Plan(0, 0)
         return Plan(self.exit_layer, self.draft_limit, self.level)
+
+    @property
+    def draft_limit(self) -> int:
+        """The next draft's cap: `draft_cap` (the paper), else d*, never above `draft_cap`."""
+        return min(self.draft_length, self.draft_cap) if self.cap_at_optimum else self.draft_cap
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return not self.dynamic_draft or confidence >= self.tau_exit
@@ -302,12 +306,5 @@ class DynamicExit(Policy):
         self.level, candidate = divmod(row, count)
         self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
-        self.draft_limit = self._draft_limit()
         self.tau_exit = float(self.stats.threshold()[row])
         self.warm = False
-
-    def _draft_limit(self) -> int:
-        """The next draft's cap: `draft_cap` (the paper), else d*, never above `draft_cap`."""
-        if not self.cap_at_optimum:
-            return self.draft_cap
-        return min(self.draft_length, self.draft_cap)
