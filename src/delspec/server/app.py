@@ -1,0 +1,327 @@
+"""The FastAPI application: routes, request handling (validate, queue, wait, reply), errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from delspec.errors import ConfigError, DelspecError
+from delspec.generate import encode_prompt
+from delspec.policies import DEFAULT_STRATEGY, make_policy
+from delspec.server.metrics import Metrics, RequestCounter
+from delspec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Reply,
+    as_api_error,
+    sse,
+    validation_error,
+)
+from delspec.server.worker import Job, QueueFull, Worker
+
+if TYPE_CHECKING:
+    from delspec.loading import LoadedModel
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+class _Service:
+    """The request handling behind the routes: validation, queueing, waiting, replying."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        worker: Worker,
+        name: str,
+        request_timeout: float,
+        queue_timeout: float,
+    ) -> None:
+        self.lm, self.worker, self.name = lm, worker, name
+        self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
+        self.context = lm.model.config.max_position
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        self._check_common(body)
+        messages = [m.model_dump() for m in body.messages]
+        prompt_ids = encode_prompt(self.lm, messages)
+        self._check_prompt(prompt_ids, "messages")
+        limit = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        return await self._complete(request, body, prompt_ids, limit, param, chat=True)
+
+    async def completion(self, request: Request, body: CompletionRequest) -> Response:
+        self._check_common(body)
+        try:
+            prompt_ids = encode_prompt(self.lm, body.prompt)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        self._check_prompt(prompt_ids, "prompt")
+        limit = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        return await self._complete(request, body, prompt_ids, limit, "max_tokens", chat=False)
+
+    def _check_common(self, body: GenerationRequest) -> None:
+        if body.model is not None and body.model != self.name:
+            raise APIError(
+                404,
+                f"the model '{body.model}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        if body.n != 1:
+            raise APIError(
+                400,
+                f"n={body.n} is not supported: this server returns one choice (n=1)",
+                param="n",
+            )
+
+    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        if not prompt_ids:
+            raise APIError(400, f"the {param} is empty", param=param)
+        if len(prompt_ids) >= self.context:
+            raise APIError(
+                400,
+                f"the {param} has {len(prompt_ids)} tokens but the model's context is "
+                f"{self.context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _complete(
+        self,
+        request: Request,
+        body: GenerationRequest,
+        prompt_ids: list[int],
+        limit: int | None,
+        limit_param: str,
+        chat: bool,
+    ) -> Response:
+        if limit is not None and limit > self.context:
+            raise APIError(
+                400,
+                f"{limit_param}={limit} is more than the model's context of {self.context} tokens",
+                param=limit_param,
+            )
+        options = {  # generate() checks them again (ConfigError -> 400)
+            "max_new_tokens": limit or self.context - len(prompt_ids),
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_k": body.top_k or 0,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "seed": body.seed,
+            "stop": body.stop,
+        }
+        deadline = time.monotonic() + self.request_timeout
+        job = Job(prompt_ids, options, body.stream, deadline, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(
+                429,
+                f"the server is busy: its queue of {self.worker.max_queue} waiting requests "
+                "is full (the model serves one request at a time); retry later",
+                code="queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            ) from None
+        reply = Reply(chat, self.name, len(prompt_ids))
+        streaming = False
+        try:
+            await self._started(job, request)
+            if body.stream:
+                streaming = True
+                return StreamingResponse(
+                    self._stream(job, reply),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            kind, value = await self._next_event(job, request)  # "done" or "error"
+            if kind == "error":
+                raise as_api_error(value)
+            if job.timed_out:
+                raise self._timeout_error()
+            return JSONResponse(reply.response(value))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                self.worker.withdraw(job)
+
+    async def _started(self, job: Job, request: Request) -> None:
+        """Waits for the worker to start `job`; 503 when it waited too long in the queue."""
+        limit = min(self.queue_timeout, job.deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._next_event(job, request), limit)  # the "start" event
+        except TimeoutError:
+            raise APIError(
+                503,
+                f"the request waited {limit:g} s in the queue without reaching the model (it "
+                "serves one request at a time); retry later",
+                code="queue_timeout",
+                kind="server_error",
+            ) from None
+
+    async def _next_event(self, job: Job, request: Request) -> tuple[str, Any]:
+        """The job's next event; raises `_ClientGone` if the client disconnects meanwhile.
+
+        Only for the quiet stretches of a job (queued, or generating without streaming): each
+        `_POLL_S` without an event checks the connection.
+        """
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), _POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone from None
+
+    async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[str]:
+        """Server-sent events: chunks, then `[DONE]`; an error event ends a failed stream.
+
+        Starlette cancels this generator when the client disconnects; that stops the job.
+        """
+        try:
+            if reply.chat:
+                yield sse(reply.opening())
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield sse(reply.piece(value))
+                elif kind == "error":
+                    yield sse(as_api_error(value).body())
+                    return
+                elif job.timed_out:  # "done", but cut short
+                    yield sse(self._timeout_error().body())
+                    return
+                else:  # "done"
+                    yield sse(reply.closing(value))
+                    yield sse("[DONE]")
+                    return
+        finally:
+            self.worker.withdraw(job)
+
+    def _timeout_error(self) -> APIError:
+        return APIError(
+            504,
+            f"the generation did not finish within the request timeout of "
+            f"{self.request_timeout:g} s and was stopped; ask for fewer tokens or raise the "
+            "timeout",
+            code="timeout",
+            kind="server_error",
+        )
+
+
+def create_app(
+    lm: LoadedModel,
+    *,
+    strategy: str = DEFAULT_STRATEGY,
+    strategy_options: dict[str, Any] | None = None,
+    max_queue: int = 16,
+    request_timeout: float = 600.0,
+    queue_timeout: float | None = None,
+    model_name: str | None = None,
+) -> FastAPI:
+    """The FastAPI application serving `lm` with `strategy` (and its options).
+
+    `max_queue` requests may wait while one generates; `request_timeout` bounds a request from
+    arrival to its last token, `queue_timeout` (default: `request_timeout`) its wait in the
+    queue. `model_name` (default `lm.name`) is the id clients pass as `model`. Raises
+    `ConfigError` for invalid settings.
+    """
+    options = dict(strategy_options or {})
+    make_policy(strategy, lm.model.num_layers, **options)  # fail now, not at the first request
+    if max_queue < 0:
+        raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
+    queue_timeout = request_timeout if queue_timeout is None else queue_timeout
+    if request_timeout <= 0 or queue_timeout <= 0:
+        raise ConfigError(
+            f"timeouts must be > 0 seconds, got {request_timeout} and {queue_timeout}"
+        )
+    name = model_name or lm.name
+    metrics = Metrics(lm.model.num_layers)
+    worker = Worker(lm, strategy, options, max_queue, metrics)
+    service = _Service(lm, worker, name, request_timeout, queue_timeout)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.close)
+
+    app = FastAPI(title="delspec", lifespan=lifespan)
+    app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": name,
+            "queue_depth": worker.depth,
+            "busy": worker.running is not None,
+        }
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(
+            metrics.render(worker.depth, worker.running is not None),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": started, "owned_by": "delspec"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await service.chat(request, body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await service.completion(request, body)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error object."""
+
+    def handle(kind: type[Exception], to_error: Callable[[Request, Any], APIError]) -> None:
+        async def handler(request: Request, exc: Exception) -> Response:
+            return to_error(request, exc).response()
+
+        app.add_exception_handler(kind, handler)
+
+    handle(APIError, lambda _, exc: exc)
+    handle(RequestValidationError, lambda _, exc: validation_error(exc))
+    handle(DelspecError, lambda _, exc: as_api_error(exc))
+    handle(
+        StarletteHTTPException,
+        lambda request, exc: APIError(
+            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
+        ),
+    )
+    handle(Exception, lambda _, exc: as_api_error(exc))
+
+
+def serve(lm: LoadedModel, host: str = "127.0.0.1", port: int = 8000, **app_options: Any) -> None:
+    """Serve `lm` over HTTP until interrupted; `app_options` go to `create_app`."""
+    uvicorn.run(create_app(lm, **app_options), host=host, port=port)

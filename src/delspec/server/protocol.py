@@ -1,0 +1,207 @@
+"""The OpenAI wire format: request bodies, error objects, and the response objects of a
+completion, whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from delspec.errors import ContextLengthError, DelspecError
+from delspec.generate import Result
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share. Types are strict; unknown OpenAI fields are ignored."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1.0
+    top_k: int | None = Field(default=None, ge=0)  # an extension (as in vLLM); 0 = off
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+
+class ChatMessage(BaseModel):
+    """One conversation turn; content is text or a list of text parts."""
+
+    model_config = ConfigDict(strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        if all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in value
+        ):
+            return "".join(p["text"] for p in value)
+        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...}")
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or (
+            isinstance(value, list) and all(type(t) is int for t in value)
+        ):
+            return value
+        raise ValueError("prompt must be a string or a list of token ids (one prompt per request)")
+
+
+class APIError(Exception):
+    """An error answered with `status` and an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+        self.param, self.code, self.kind = param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """The error object a generation exception is reported as."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, DelspecError):
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {exc!r}", kind="server_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's validation error as a 400 that names the offending field."""
+    error = exc.errors()[0]
+    path = list(error["loc"][1:])  # drop the leading "body"
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "invalid JSON")
+        where = f" at character {path[0]}" if path else ""
+        return APIError(400, f"the request body is not valid JSON: {reason}{where}")
+    reason = str(error["msg"]).removeprefix("Value error, ")
+    if not path:
+        return APIError(400, f"the request body must be a JSON object: {reason}")
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    if error["type"] == "missing":
+        return APIError(400, f"missing required parameter '{param}'", param=param)
+    return APIError(400, f"invalid value for '{param}': {reason}", param=param)
+
+
+class Reply:
+    """Builds the OpenAI response objects of one chat or text completion."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def response(self, result: Result) -> dict[str, Any]:
+        content = (
+            {"message": {"role": "assistant", "content": result.text}}
+            if self.chat
+            else {"text": result.text, "logprobs": None}
+        )
+        return self._wrap(False, {**content, "finish_reason": result.finish_reason}, result)
+
+    def opening(self) -> dict[str, Any]:
+        """The chat stream's first chunk, which names the role."""
+        return self._wrap(True, {"delta": {"role": "assistant", "content": ""}})
+
+    def piece(self, text: str) -> dict[str, Any]:
+        return self._wrap(True, self._delta(text))
+
+    def closing(self, result: Result) -> dict[str, Any]:
+        """The last chunk: finish reason, usage and delspec statistics."""
+        return self._wrap(
+            True, {**self._delta(None), "finish_reason": result.finish_reason}, result
+        )
+
+    def _delta(self, text: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {"delta": {} if text is None else {"content": text}}
+        return {"text": text or "", "logprobs": None}
+
+    def _wrap(self, chunk: bool, choice: dict[str, Any], result: Result | None = None) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "finish_reason": None, **choice}],
+        }
+        if result is not None:
+            stats = result.stats
+            out["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(result.token_ids),
+                "total_tokens": self.prompt_tokens + len(result.token_ids),
+            }
+            out["delspec"] = {
+                "strategy": result.strategy,
+                "acceptance_rate": round(stats.acceptance_rate, 4),
+                "mean_exit_layer": round(stats.mean_exit_layer, 3),
+                "tokens_per_s": round(stats.tokens_per_s, 3),
+            }
+        return out
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n"
