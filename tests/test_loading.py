@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from delspec import loading
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
@@ -100,6 +105,12 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(c))
+    elif rope["rope_type"] != "default":
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -122,6 +133,25 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
             )
         writer.add_tensor(f"{gguf_name}.weight", np.ascontiguousarray(array))
     return _finish(writer, path)
+
+
+def llama_cpp_rope_factors(config: LlamaConfig) -> np.ndarray:
+    """The per-frequency divisors (`rope_freqs`) llama.cpp's converter writes for Llama 3 RoPE
+    scaling."""
+    rope, dim = config.rope_parameters, config.hidden_size // config.num_attention_heads
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for wavelength in 2 * np.pi / freqs:
+        if wavelength < old / high:
+            out.append(1.0)
+        elif wavelength > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def write_stub_gguf(path: Path, architecture: str, tensors: dict[str, tuple] | None = None) -> Path:
@@ -339,6 +369,50 @@ def test_unsupported_quantisation(tmp_path, cache):
 def test_unsupported_gguf_architecture_leaves_no_cache(tmp_path, cache, architecture):
     path = write_stub_gguf(tmp_path / "other.gguf", architecture)
     with pytest.raises(ModelFormatError, match=f"unsupported architecture '{architecture}'"):
+        load_model(path)
+    assert list((cache / "gguf").iterdir()) == []
+
+
+LLAMA3_ROPE = {  # two frequencies of the tiny model fall between the bands
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE], ids=["linear", "llama3"]
+)
+def test_gguf_rope_scaling_matches_transformers(tmp_path, cache, rope):
+    model = tiny_llama(rope_parameters={**rope, "rope_theta": 10000.0})
+    loaded = load_model(write_gguf(model, tmp_path / "scaled.gguf"))
+    assert loaded.model.config.rope_scaling == {**rope, "rope_theta": 10000.0}
+    assert_same_logits(loaded, model, "hello world, hello gguf, hello rope", 1e-5)
+
+
+def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(8.0)
+    config = Gemma3TextConfig()
+    loading._carry_rope_scaling(_finish(writer, path), "gemma3", config)
+    assert config.rope_parameters["full_attention"] == {
+        "rope_type": "linear",
+        "factor": 8.0,
+        "rope_theta": 1000000.0,
+    }
+    assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+
+
+def test_unsupported_gguf_rope_scaling_is_refused(tmp_path, cache):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    path = write_gguf(
+        tiny_llama(rope_parameters={**yarn, "rope_theta": 10000.0}), tmp_path / "y.gguf"
+    )
+    with pytest.raises(ModelFormatError, match=r"unsupported RoPE scaling 'yarn' \(supported"):
         load_model(path)
     assert list((cache / "gguf").iterdir()) == []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -23,12 +24,13 @@ import gguf
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from delspec.architectures import config_from_hf
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.model import Transformer, build_model
+from delspec.model import Transformer, build_model, rope_inv_freq
 
 
 class NamedModel(NamedTuple):
@@ -64,7 +66,7 @@ SUPPORTED_GGML_TYPES = frozenset(
     | {_T.IQ4_NL, _T.IQ4_XS}
 )
 
-_CACHE_LAYOUT = "1"  # bump when the converted directory's contents change
+_CACHE_LAYOUT = "2"  # bump when the converted directory's contents change
 _KEY_BYTES = 1 << 20  # the GGUF header and metadata
 # What libraries raise on a file they cannot read; reported as a ModelFormatError.
 _LIBRARY_ERRORS = (OSError, ValueError, LookupError, TypeError, RuntimeError, SafetensorError)
@@ -248,6 +250,7 @@ def _convert_gguf(path: Path, architecture: str, out: Path) -> None:
             f"unsupported architecture {architecture!r} in {path} ({exc})"
         ) from exc
     config_from_hf(config.to_dict())  # reject unsupported families before the slow part
+    _carry_rope_scaling(path, architecture, config)
     try:
         with torch.device("meta"):  # only its parameter names are used, to name the tensors
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -259,6 +262,70 @@ def _convert_gguf(path: Path, architecture: str, out: Path) -> None:
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _carry_rope_scaling(path: Path, architecture: str, config: Any) -> None:
+    """Put GGUF file `path`'s RoPE scaling into `config` (transformers' GGUF reader drops it).
+
+    llama.cpp writes linear scaling as `{arch}.rope.scaling.type`/`.factor`, and Llama 3
+    scaling as a `rope_freqs` tensor of per-frequency divisors; the `llama3` parameters that
+    give those divisors are fitted back from them. Scaling applies to global-attention layers.
+    """
+    reader = gguf.GGUFReader(path)
+    kind_field = reader.fields.get(f"{architecture}.rope.scaling.type")
+    kind = str(kind_field.contents()) if kind_field is not None else "none"
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    params = dict(config.rope_parameters)
+    target = params.get("full_attention", params)  # Gemma 3: per attention type
+    if factors is not None:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        divisors = torch.from_numpy(factors.data.copy()).float().flatten()
+        scaling = _llama3_scaling(divisors, head_dim, target["rope_theta"])
+        if scaling is None:
+            raise ModelFormatError(
+                f"{path}: its RoPE frequency factors (rope_freqs) are not Llama 3 scaling"
+            )
+        target.update(scaling)
+    elif kind == "linear":
+        factor = reader.fields[f"{architecture}.rope.scaling.factor"].contents()
+        target.update(rope_type="linear", factor=float(factor))
+    elif kind != "none":
+        raise ModelFormatError(
+            f"{path}: unsupported RoPE scaling {kind!r} (supported: linear, llama3)"
+        )
+    else:
+        return
+    config.rope_parameters = params
+
+
+def _llama3_scaling(factors: Tensor, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """The `llama3` RoPE parameters whose per-frequency divisors are `factors`.
+
+    Between the two bands (divisor 1 at short wavelengths, `factor` at long ones) the inverse
+    divisor is linear in 1 / wavelength; a line through those frequencies gives the band edges
+    (taking low_freq_factor 1, as Llama 3 does). None when the divisors are not of that form.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta)
+    factor = float(factors.max())
+    between = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if int(between.sum()) >= 2 and len(factors) == len(inv_freq):
+        x = (inv_freq / (2 * math.pi))[between].double()  # 1 / wavelength
+        y = ((1 / factors[between] - 1 / factor) / (1 - 1 / factor)).double()
+        line = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), y[:, None])
+        slope, intercept = line.solution[:, 0].tolist()
+        if intercept < 0 < slope:
+            scaling = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": round(1 - 1 / intercept, 4),
+                "original_max_position_embeddings": round(-slope / intercept),
+            }
+            if torch.allclose(rope_inv_freq(head_dim, theta, scaling), inv_freq / factors, 1e-4):
+                return scaling
+    return None
 
 
 def _check_gguf(path: Path) -> str:

@@ -12,7 +12,6 @@ import copy
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -172,11 +171,11 @@ def rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_eps, config.spec.norm_offset)
 
 
-def rope_inv_freq(config: ModelConfig, theta: float) -> Tensor:
-    """Inverse RoPE frequencies (float32, as transformers computes them), with scaling applied."""
-    dim = config.head_dim
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:
+    """Inverse RoPE frequencies (float32, as transformers computes them), with `scaling` (a
+    transformers `rope_scaling` dict: linear or llama3) applied."""
+    dim = head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -350,9 +349,8 @@ class Transformer(nn.Module):
 
     def _inv_freq(self, theta: float, sliding: bool) -> Tensor:
         # Gemma 3's local layers use the plain RoPE base without the global layers' scaling.
-        if sliding and self.config.rope_scaling is not None:
-            return rope_inv_freq(_without_scaling(self.config), theta)
-        return rope_inv_freq(self.config, theta)
+        scaling = None if sliding else self.config.rope_scaling
+        return rope_inv_freq(self.config.head_dim, theta, scaling)
 
     def embed(self, ids: Tensor) -> Tensor:
         """Token ids `[tokens]` -> hidden states `[tokens, hidden]`."""
@@ -485,10 +483,6 @@ def _strip_prefix(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
-
-
-def _without_scaling(config: ModelConfig) -> ModelConfig:
-    return replace(config, rope_scaling=None)
 
 
 def build_model(
