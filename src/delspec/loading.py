@@ -7,6 +7,7 @@ problem with a model source is reported as a `ModelFormatError` naming it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -275,7 +276,7 @@ def _carry_rope_scaling(path: Path, architecture: str, config: Any) -> None:
     kind_field = reader.fields.get(f"{architecture}.rope.scaling.type")
     kind = str(kind_field.contents()) if kind_field is not None else "none"
     factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    params = dict(config.rope_parameters)
+    params = copy.deepcopy(config.rope_parameters)
     target = params.get("full_attention", params)  # Gemma 3: per attention type
     if factors is not None:
         head_dim = getattr(config, "head_dim", None) or (
@@ -291,12 +292,12 @@ def _carry_rope_scaling(path: Path, architecture: str, config: Any) -> None:
     elif kind == "linear":
         factor = reader.fields[f"{architecture}.rope.scaling.factor"].contents()
         target.update(rope_type="linear", factor=float(factor))
-    elif kind != "none":
+    elif kind == "none":
+        return
+    else:
         raise ModelFormatError(
             f"{path}: unsupported RoPE scaling {kind!r} (supported: linear, llama3)"
         )
-    else:
-        return
     config.rope_parameters = params
 
 

@@ -174,8 +174,8 @@ def rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:
     """Inverse RoPE frequencies (float32, as transformers computes them), with `scaling` (a
     transformers `rope_scaling` dict: linear or llama3) applied."""
-    dim = head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**steps)
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
