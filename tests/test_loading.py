@@ -398,7 +398,8 @@ def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(8.0)
     config = Gemma3TextConfig()
-    loading._carry_rope_scaling(_finish(writer, path), "gemma3", config)
+    reader = gguf.GGUFReader(_finish(writer, path))
+    loading._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
     assert config.rope_parameters["full_attention"] == {
         "rope_type": "linear",
         "factor": 8.0,

@@ -193,13 +193,13 @@ def converted_checkpoint(path: Path) -> Path:
     target = cache_dir() / "gguf" / f"{path.stem}-{_cache_key(path)}"
 
     def convert(out: Path) -> None:
-        architecture = _check_gguf(path)
+        reader, architecture = _check_gguf(path)
         print(
             f"delspec: converting {path.name} (first load only, cached in {target})",
             file=sys.stderr,
             flush=True,
         )
-        _convert_gguf(path, architecture, out)
+        _convert_gguf(path, reader, architecture, out)
 
     return _build_once(target, convert)
 
@@ -242,16 +242,18 @@ def _cache_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _convert_gguf(path: Path, architecture: str, out: Path) -> None:
-    """Write checked GGUF file `path` as a Hugging Face checkpoint directory `out`."""
+def _convert_gguf(path: Path, reader: gguf.GGUFReader, architecture: str, out: Path) -> None:
+    """Write checked GGUF file `path` (open in `reader`) as a Hugging Face checkpoint directory
+    `out`."""
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except _LIBRARY_ERRORS as exc:  # the file is whole, so transformers cannot map it
         raise ModelFormatError(
             f"unsupported architecture {architecture!r} in {path} ({exc})"
         ) from exc
-    config_from_hf(config.to_dict())  # reject unsupported families before the slow part
-    _carry_rope_scaling(path, architecture, config)
+    # reject unsupported families before the slow part
+    head_dim = config_from_hf(config.to_dict()).head_dim
+    _carry_rope_scaling(path, reader, architecture, head_dim, config)
     try:
         with torch.device("meta"):  # only its parameter names are used, to name the tensors
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -265,23 +267,22 @@ def _convert_gguf(path: Path, architecture: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _carry_rope_scaling(path: Path, architecture: str, config: Any) -> None:
-    """Put GGUF file `path`'s RoPE scaling into `config` (transformers' GGUF reader drops it).
+def _carry_rope_scaling(
+    path: Path, reader: gguf.GGUFReader, architecture: str, head_dim: int, config: Any
+) -> None:
+    """Put GGUF file `path`'s RoPE scaling (read from `reader`) into transformers `config`,
+    whose GGUF reader drops it.
 
     llama.cpp writes linear scaling as `{arch}.rope.scaling.type`/`.factor`, and Llama 3
     scaling as a `rope_freqs` tensor of per-frequency divisors; the `llama3` parameters that
     give those divisors are fitted back from them. Scaling applies to global-attention layers.
     """
-    reader = gguf.GGUFReader(path)
     kind_field = reader.fields.get(f"{architecture}.rope.scaling.type")
     kind = str(kind_field.contents()) if kind_field is not None else "none"
     factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     params = copy.deepcopy(config.rope_parameters)
     target = params.get("full_attention", params)  # Gemma 3: per attention type
     if factors is not None:
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
         divisors = torch.from_numpy(factors.data.copy()).float().flatten()
         scaling = _llama3_scaling(divisors, head_dim, target["rope_theta"])
         if scaling is None:
@@ -329,8 +330,9 @@ def _llama3_scaling(factors: Tensor, head_dim: int, theta: float) -> dict[str, A
     return None
 
 
-def _check_gguf(path: Path) -> str:
-    """The file's architecture, after checking that it is whole and of supported tensor types."""
+def _check_gguf(path: Path) -> tuple[gguf.GGUFReader, str]:
+    """The file, open, and its architecture, after checking that it is whole and of supported
+    tensor types."""
     try:
         reader = gguf.GGUFReader(path)
         architecture = str(reader.fields["general.architecture"].contents())
@@ -347,7 +349,7 @@ def _check_gguf(path: Path) -> str:
             f"{path} uses unsupported quantisation type(s) {', '.join(unsupported)}; "
             f"supported: {names}"
         )
-    return architecture
+    return reader, architecture
 
 
 def _load_checkpoint(
