@@ -154,6 +154,9 @@ def test_pruned_head_columns_are_the_kept_tokens(model, adapters):
         torch.testing.assert_close(pruned.shadow(hidden, layers), shadow[..., vocab])
         for row, layer in enumerate(layers):
             torch.testing.assert_close(shadow[row], full(hidden[row], layer))
+        tokens = torch.randint(model.config.vocab_size, (5,))  # one per position
+        reach = full.token_logits(hidden, layers, tokens)
+        torch.testing.assert_close(reach, shadow[:, torch.arange(5), tokens])
     plain = ExitHead(model)
     torch.testing.assert_close(DraftHead(model)(h, 2), plain(h, 2))
     # with int8 drafts, shadow tokens go through the int8 rows the smallest level drafts with

@@ -6,6 +6,10 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import gguf
@@ -339,6 +343,33 @@ def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkey
     os.utime(path, ns=(0, 0))  # a changed file is converted again
     load_model(path)
     assert len(calls) == 2
+
+
+def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache):
+    path = write_gguf(tiny_llama(), tmp_path / "tiny.Q.gguf")
+    name = f"tiny.Q-{loading._cache_key(path)}"
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # its pid now names no process
+    hours_ago = time.time() - 7200
+    (cache / "gguf").mkdir(parents=True)
+
+    def scratch(label: str, pid: int, mtime: float | None = hours_ago) -> Path:
+        directory = Path(tempfile.mkdtemp(prefix=f"{label}.{pid}.", dir=cache / "gguf"))
+        (directory / "model.safetensors").write_bytes(b"partial")
+        if mtime is not None:
+            os.utime(directory, (mtime, mtime))
+        return directory
+
+    killed = scratch(f".{name}", ended.pid)
+    kept = [
+        scratch(f".{name}", ended.pid, mtime=None),  # recent: maybe another machine's build
+        scratch(f".{name}", os.getpid()),  # its process still runs
+        scratch(".other-0123456789abcdef", ended.pid),  # another entry's build
+    ]
+    load_model(path)
+    assert not killed.exists()
+    assert all(directory.is_dir() for directory in kept)
+    assert (cache / "gguf" / name / "model.safetensors").is_file()
 
 
 def test_corrupt_gguf(tmp_path, cache):

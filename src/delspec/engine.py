@@ -91,8 +91,7 @@ class ExitHead:
         """`[layers, positions]`: each listed layer's logit of `tokens[p]` at position p, in
         full precision (comparable with `shadow`'s, up to int8 rounding there)."""
         n = self.exit_states(hidden, exit_layers)
-        logits = self.model.project(n, self.model.lm_head.weight[tokens])
-        return logits.diagonal(dim1=-2, dim2=-1)
+        return self.model.softcap((n * self.model.lm_head.weight[tokens]).sum(-1))
 
     def covered(self, tokens: Tensor) -> Tensor:
         """`[levels, tokens]`: whether each level could draft each token before the latest

@@ -8,6 +8,7 @@ problem with a model source is reported as a `ModelFormatError` naming it.
 from __future__ import annotations
 
 import copy
+import glob
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,11 +207,17 @@ def converted_checkpoint(path: Path) -> Path:
 
 
 def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Directory `target`, filled by `build(empty_directory)` on first use; appears atomically."""
+    """Directory `target`, filled by `build(empty_directory)` on first use; appears atomically.
+
+    The build happens in a scratch directory named after the building process; scratch
+    directories that a killed build left behind are removed by the next build of `target`.
+    """
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    prefix = f".{target.name}."
+    _remove_abandoned(target.parent, prefix)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=target.parent))
     try:
         build(scratch)
         try:
@@ -220,6 +228,37 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+_ABANDONED_AFTER_S = 3600.0  # a build this old whose process is gone was killed
+
+
+def _remove_abandoned(directory: Path, prefix: str) -> None:
+    """Remove scratch directories `{prefix}{pid}.*` in `directory` whose process is no longer
+    running here and that have not changed for an hour (so a build by another machine sharing
+    the cache is left alone)."""
+    for entry in directory.glob(f"{glob.escape(prefix)}*"):
+        pid = entry.name[len(prefix) :].split(".", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        try:
+            if time.time() - entry.stat().st_mtime > _ABANDONED_AFTER_S:
+                shutil.rmtree(entry, ignore_errors=True)
+        except FileNotFoundError:  # removed by a concurrent build
+            pass
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` may exist on this machine (always, where it cannot be asked)."""
+    if os.name != "posix":  # elsewhere os.kill(pid, 0) would end the process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    return True
 
 
 def _resolve_source(source: str | os.PathLike | None) -> Path:

@@ -422,6 +422,10 @@ class Transformer(nn.Module):
             logits = weight(n)
         else:
             logits = linear(n, weight)
+        return self.softcap(logits)
+
+    def softcap(self, logits: Tensor) -> Tensor:
+        """Final logit soft-capping, for models that have it (the identity otherwise)."""
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
