@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from dataclasses import replace
@@ -131,6 +132,10 @@ def test_assembled_named_model_is_built_once_into_the_cache(tmp_path: Path, monk
     assert path.read_bytes() == b"GGUF" and path.is_relative_to(tmp_path / "cache" / "models")
     assert named_model_path("fake") == path
     assert len(sys.modules["fake_chunked_model"].calls) == 1
+    os.utime(tmp_path / "fake_chunked_model" / "__init__.py", ns=(0, 0))  # reinstalled
+    again = named_model_path("fake")
+    assert again != path and again.read_bytes() == b"GGUF"
+    assert [again.parent] == list((tmp_path / "cache" / "models").iterdir())  # old one removed
 
 
 # --- the real Gemma-3-270M ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -340,9 +341,26 @@ def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkey
     [entry] = (cache / "gguf").iterdir()  # one complete entry, no leftover temporary directory
     assert entry.name.startswith("tiny.Q-") and (entry / "model.safetensors").is_file()
 
-    os.utime(path, ns=(0, 0))  # a changed file is converted again
+    os.utime(path, ns=(0, 0))  # a changed file is converted again, replacing its old entry
     load_model(path)
     assert len(calls) == 2
+    [changed] = (cache / "gguf").iterdir()
+    assert changed != entry and (changed / "model.safetensors").is_file()
+
+
+def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
+    model = tiny_llama()
+    outside = write_gguf(model, tmp_path / "outside.gguf")
+    for package in ("package-1", "package-2"):
+        (cache / "models" / package).mkdir(parents=True)
+    first = write_gguf(model, cache / "models" / "package-1" / "tiny.gguf")  # as assembled
+    converted = [converted_checkpoint(outside), converted_checkpoint(first)]
+    outside.unlink()  # the user's own file: its entry stays until it is found unneeded there
+    shutil.rmtree(first.parent)  # the package was reinstalled
+    second = write_gguf(model, cache / "models" / "package-2" / "tiny.gguf")
+    os.utime(second, ns=(10**18, 10**18))  # assembled later
+    current = converted_checkpoint(second)
+    assert sorted((cache / "gguf").iterdir()) == sorted([converted[0], current])
 
 
 def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache):

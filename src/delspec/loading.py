@@ -154,9 +154,9 @@ def named_model_path(name: str) -> Path:
     entry = NAMED_MODELS[name]
     spec = importlib.util.find_spec(entry.package)
     if spec is not None and spec.origin is not None and entry.assemble is not None:
-        key = _cache_key(Path(spec.origin))  # changes when the package is reinstalled
-        target = cache_dir() / "models" / f"{entry.package}-{key}"
-        directory = _build_once(target, lambda out: _assemble(name, out / entry.filename))
+        origin = Path(spec.origin)
+        target = cache_dir() / "models" / f"{entry.package}-{_cache_key(origin)}"  # per install
+        directory = _build_once(target, origin, lambda out: _assemble(name, out / entry.filename))
         return directory / entry.filename
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location) / entry.filename
@@ -203,14 +203,16 @@ def converted_checkpoint(path: Path) -> Path:
         )
         _convert_gguf(path, reader, architecture, out)
 
-    return _build_once(target, convert)
+    return _build_once(target, path, convert)
 
 
-def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Directory `target`, filled by `build(empty_directory)` on first use; appears atomically.
+def _build_once(target: Path, source: Path, build: Callable[[Path], None]) -> Path:
+    """Directory `target`, made from file `source` by `build(empty_directory)` on first use;
+    appears atomically.
 
-    The build happens in a scratch directory named after the building process; scratch
-    directories that a killed build left behind are removed by the next build of `target`.
+    A build also removes what the cache no longer needs: the entries made from `source` before
+    it changed, and the scratch directories (named after the building process) that a killed
+    build of `target` left behind.
     """
     if target.is_dir():
         return target
@@ -218,8 +220,10 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     prefix = f".{target.name}."
     _remove_abandoned(target.parent, prefix)
     scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=target.parent))
+    origin = str(source.resolve())
     try:
         build(scratch)
+        (scratch / _SOURCE_FILE).write_text(origin)
         try:
             scratch.rename(target)
         except OSError:
@@ -227,7 +231,25 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    for entry in target.parent.iterdir():
+        if entry != target and not entry.name.startswith(".") and _superseded(entry, origin):
+            shutil.rmtree(entry, ignore_errors=True)
     return target
+
+
+_SOURCE_FILE = "delspec-source.txt"  # in each cache entry: the file it was made from
+
+
+def _superseded(entry: Path, origin: str) -> bool:
+    """Whether cache entry `entry` is unneeded once file `origin` has a current entry: it was
+    made from `origin` before that changed, or from a cache file that has since been removed
+    (a model assembled by a package that was reinstalled since)."""
+    try:
+        made_from = Path((entry / _SOURCE_FILE).read_text())
+    except OSError:  # not an entry, an older one, or removed meanwhile
+        return False
+    in_cache = made_from.is_relative_to(cache_dir().resolve())
+    return str(made_from) == origin or (in_cache and not made_from.exists())
 
 
 _ABANDONED_AFTER_S = 3600.0  # a build this old whose process is gone was killed
