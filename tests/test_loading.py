@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from delspec import loading
+from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.loading import (
     LoadedModel,
@@ -365,7 +366,7 @@ def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
 
 def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache):
     path = write_gguf(tiny_llama(), tmp_path / "tiny.Q.gguf")
-    name = f"tiny.Q-{loading._cache_key(path)}"
+    name = f"tiny.Q-{file_key(path)}"
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # its pid now names no process
     hours_ago = time.time() - 7200

@@ -28,9 +28,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor
 
+from delspec.cache import cache_dir, write_atomically
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.loading import NAMED_MODELS, LoadedModel, cache_dir, named_model_path
+from delspec.loading import NAMED_MODELS, LoadedModel, named_model_path
 from delspec.model import Int8Weight, Transformer
 from delspec.policies import DEFAULT_STRATEGY, default_draft_vocab, default_int8_draft
 
@@ -113,14 +114,8 @@ def save_adapters(adapters: ExitAdapters, path: str | os.PathLike) -> Path:
         **adapters.identity,
         "calibration": json.dumps(adapters.calibration),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        save_file(contiguous, scratch, metadata)
-        scratch.replace(path)
-    finally:
-        scratch.unlink(missing_ok=True)
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_atomically(path, lambda scratch: save_file(contiguous, scratch, metadata))
     return path
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from delspec.cache import write_atomically
 from delspec.engine import ExitHead
 from delspec.timing import synchronize
 
@@ -229,7 +229,5 @@ def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, l
 def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
     """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
     stored = {k: v for k, v in asdict(profile).items() if k != "draft_head"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**stored, "draft_heads": draft_heads}))
-    tmp.replace(path)
+    text = json.dumps({**stored, "draft_heads": draft_heads})
+    write_atomically(path, lambda scratch: scratch.write_text(text))

@@ -8,17 +8,11 @@ problem with a model source is reported as a `ModelFormatError` naming it.
 from __future__ import annotations
 
 import copy
-import glob
-import hashlib
 import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from delspec.architectures import config_from_hf
+from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.model import Transformer, build_model, rope_inv_freq
 
@@ -69,8 +64,6 @@ SUPPORTED_GGML_TYPES = frozenset(
     | {_T.IQ4_NL, _T.IQ4_XS}
 )
 
-_CACHE_LAYOUT = "2"  # bump when the converted directory's contents change
-_KEY_BYTES = 1 << 20  # the GGUF header and metadata
 # What libraries raise on a file they cannot read; reported as a ModelFormatError.
 _LIBRARY_ERRORS = (OSError, ValueError, LookupError, TypeError, RuntimeError, SafetensorError)
 
@@ -155,8 +148,8 @@ def named_model_path(name: str) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is not None and spec.origin is not None and entry.assemble is not None:
         origin = Path(spec.origin)
-        target = cache_dir() / "models" / f"{entry.package}-{_cache_key(origin)}"  # per install
-        directory = _build_once(target, origin, lambda out: _assemble(name, out / entry.filename))
+        target = cache_dir() / "models" / f"{entry.package}-{file_key(origin)}"  # per install
+        directory = build_once(target, origin, lambda out: _assemble(name, out / entry.filename))
         return directory / entry.filename
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location) / entry.filename
@@ -179,20 +172,12 @@ def _assemble(name: str, path: Path) -> None:
         ) from exc
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $DELSPEC_CACHE, else $XDG_CACHE_HOME/delspec, else ~/.cache."""
-    if root := os.environ.get("DELSPEC_CACHE"):
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "delspec"
-
-
 def converted_checkpoint(path: Path) -> Path:
     """The cached Hugging Face directory of GGUF file `path`, converting it on first use.
 
     The cache entry is keyed by the file's size, mtime and first MiB, and appears atomically.
     """
-    target = cache_dir() / "gguf" / f"{path.stem}-{_cache_key(path)}"
+    target = cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}"
 
     def convert(out: Path) -> None:
         reader, architecture = _check_gguf(path)
@@ -203,84 +188,7 @@ def converted_checkpoint(path: Path) -> Path:
         )
         _convert_gguf(path, reader, architecture, out)
 
-    return _build_once(target, path, convert)
-
-
-def _build_once(target: Path, source: Path, build: Callable[[Path], None]) -> Path:
-    """Directory `target`, made from file `source` by `build(empty_directory)` on first use;
-    appears atomically.
-
-    A build also removes what the cache no longer needs: the entries made from `source` before
-    it changed, and the scratch directories (named after the building process) that a killed
-    build of `target` left behind.
-    """
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}."
-    _remove_abandoned(target.parent, prefix)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=target.parent))
-    origin = str(source.resolve())
-    try:
-        build(scratch)
-        (scratch / _SOURCE_FILE).write_text(origin)
-        try:
-            scratch.rename(target)
-        except OSError:
-            if not target.is_dir():  # not a concurrent build that finished first
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    for entry in target.parent.iterdir():
-        if entry != target and not entry.name.startswith(".") and _superseded(entry, origin):
-            shutil.rmtree(entry, ignore_errors=True)
-    return target
-
-
-_SOURCE_FILE = "delspec-source.txt"  # in each cache entry: the file it was made from
-
-
-def _superseded(entry: Path, origin: str) -> bool:
-    """Whether cache entry `entry` is unneeded once file `origin` has a current entry: it was
-    made from `origin` before that changed, or from a cache file that has since been removed
-    (a model assembled by a package that was reinstalled since)."""
-    try:
-        made_from = Path((entry / _SOURCE_FILE).read_text())
-    except OSError:  # not an entry, an older one, or removed meanwhile
-        return False
-    in_cache = made_from.is_relative_to(cache_dir().resolve())
-    return str(made_from) == origin or (in_cache and not made_from.exists())
-
-
-_ABANDONED_AFTER_S = 3600.0  # a build this old whose process is gone was killed
-
-
-def _remove_abandoned(directory: Path, prefix: str) -> None:
-    """Remove scratch directories `{prefix}{pid}.*` in `directory` whose process is no longer
-    running here and that have not changed for an hour (so a build by another machine sharing
-    the cache is left alone)."""
-    for entry in directory.glob(f"{glob.escape(prefix)}*"):
-        pid = entry.name[len(prefix) :].split(".", 1)[0]
-        if not pid.isdigit() or _running(int(pid)):
-            continue
-        try:
-            if time.time() - entry.stat().st_mtime > _ABANDONED_AFTER_S:
-                shutil.rmtree(entry, ignore_errors=True)
-        except FileNotFoundError:  # removed by a concurrent build
-            pass
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` may exist on this machine (always, where it cannot be asked)."""
-    if os.name != "posix":  # elsewhere os.kill(pid, 0) would end the process
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        pass
-    return True
+    return build_once(target, path, convert)
 
 
 def _resolve_source(source: str | os.PathLike | None) -> Path:
@@ -293,14 +201,6 @@ def _resolve_source(source: str | os.PathLike | None) -> Path:
         named = ", ".join(["default", *NAMED_MODELS])
         raise ModelFormatError(f"model path {path} does not exist (named models: {named})")
     return path
-
-
-def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    digest = hashlib.sha256(f"{_CACHE_LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
-    with path.open("rb") as file:
-        digest.update(file.read(_KEY_BYTES))
-    return digest.hexdigest()[:16]
 
 
 def _convert_gguf(path: Path, reader: gguf.GGUFReader, architecture: str, out: Path) -> None:

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from delspec.cache import cache_dir
 from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
@@ -151,8 +152,6 @@ class DynamicExit(Policy):
         self.cursor = 0  # rotation over candidates under a shadow budget
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
-        from delspec.loading import cache_dir
-
         middle = self.base_candidates[len(self.base_candidates) // 2]
         return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
 
