@@ -3,7 +3,8 @@ assembled model files, cost profiles, adapters of packaged models).
 
 Entries appear atomically, so a reader never sees a partial one, and the cache cleans up after
 itself: an entry made from a file that has changed since is removed when the file's new entry
-is built, and so are the scratch directories that killed builds left behind.
+is built, and the scratch files and directories that killed writes left behind are removed by
+the next write of the same entry.
 """
 
 from __future__ import annotations
@@ -43,17 +44,13 @@ def file_key(path: Path) -> str:
 def build_once(target: Path, source: Path, build: Callable[[Path], None]) -> Path:
     """Directory `target`, made from file `source` by `build(empty_directory)` on first use.
 
-    The build runs in a scratch directory named after this process and appears as `target`
-    when complete. It also removes what the cache no longer needs: the entries made from
-    `source` before it changed, and the scratch directories of killed builds of `target`.
+    The build runs in a scratch directory (`_scratch_prefix`) and appears as `target` when
+    complete. It also removes the entries made from `source` before it changed.
     """
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}."
-    _remove_abandoned(target.parent, prefix)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=target.parent))
-    origin = str(source.resolve())
+    scratch = Path(tempfile.mkdtemp(prefix=_scratch_prefix(target), dir=target.parent))
+    origin, root = str(source.resolve()), cache_dir().resolve()
     try:
         build(scratch)
         (scratch / _SOURCE_FILE).write_text(origin)
@@ -65,7 +62,7 @@ def build_once(target: Path, source: Path, build: Callable[[Path], None]) -> Pat
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for entry in target.parent.iterdir():
-        if entry != target and not entry.name.startswith(".") and _superseded(entry, origin):
+        if entry != target and not entry.name.startswith(".") and _superseded(entry, origin, root):
             shutil.rmtree(entry, ignore_errors=True)
     return target
 
@@ -73,8 +70,7 @@ def build_once(target: Path, source: Path, build: Callable[[Path], None]) -> Pat
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Create or replace file `path` with what `write(scratch_file)` writes; readers see the
     old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    handle, name = tempfile.mkstemp(prefix=_scratch_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(handle)
     scratch = Path(name)
     try:
@@ -84,31 +80,38 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         scratch.unlink(missing_ok=True)
 
 
-def _superseded(entry: Path, origin: str) -> bool:
-    """Whether cache entry `entry` is unneeded once file `origin` has a current entry: it was
-    made from `origin` before that changed, or from a cache file that has since been removed
-    (a model assembled by a package that was reinstalled since)."""
-    try:
-        made_from = Path((entry / _SOURCE_FILE).read_text())
-    except OSError:  # not an entry, an older one, or removed meanwhile
-        return False
-    in_cache = made_from.is_relative_to(cache_dir().resolve())
-    return str(made_from) == origin or (in_cache and not made_from.exists())
-
-
-def _remove_abandoned(directory: Path, prefix: str) -> None:
-    """Remove scratch directories `{prefix}{pid}.*` in `directory` whose process is no longer
-    running here and that have not changed for an hour (so a build by another machine sharing
-    the cache is left alone)."""
-    for entry in directory.glob(f"{glob.escape(prefix)}*"):
+def _scratch_prefix(path: Path) -> str:
+    """The name prefix `.{name}.{pid}.` of this process's scratch files and directories for
+    `path`, after removing those of other writers of `path` that were killed: their process
+    is no longer running here and they have not changed for an hour (so a write by another
+    machine sharing the cache is left alone)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{path.name}."
+    for entry in path.parent.glob(f"{glob.escape(prefix)}*"):
         pid = entry.name[len(prefix) :].split(".", 1)[0]
         if not pid.isdigit() or _running(int(pid)):
             continue
         try:
-            if time.time() - entry.stat().st_mtime > _ABANDONED_AFTER_S:
-                shutil.rmtree(entry, ignore_errors=True)
-        except FileNotFoundError:  # removed by a concurrent build
+            if time.time() - entry.stat().st_mtime < _ABANDONED_AFTER_S:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:  # removed by a concurrent writer, or not ours to remove
             pass
+    return f"{prefix}{os.getpid()}."
+
+
+def _superseded(entry: Path, origin: str, root: Path) -> bool:
+    """Whether entry `entry` of cache `root` is unneeded once file `origin` has a current
+    entry: it was made from `origin` before that changed, or from a cache file that has since
+    been removed (a model assembled by a package that was reinstalled since)."""
+    try:
+        made_from = Path((entry / _SOURCE_FILE).read_text())
+    except OSError:  # not an entry, an older one, or removed meanwhile
+        return False
+    return str(made_from) == origin or (made_from.is_relative_to(root) and not made_from.exists())
 
 
 def _running(pid: int) -> bool:
