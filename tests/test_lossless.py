@@ -55,8 +55,19 @@ def run(model, prompt, strategy, max_new, eos=(), int8=False, **options):
 @pytest.mark.parametrize("shallow", [None, 2])
 @pytest.mark.parametrize("int8", [False, True])
 def test_greedy_matches_autoregressive(strategy, shallow, int8):
+    check_greedy_matches_autoregressive(strategy, shallow, int8)
+
+
+@pytest.mark.parametrize("strategy", sorted(POLICIES))
+@pytest.mark.parametrize("shallow", [None, 2])
+def test_greedy_matches_autoregressive_on_block_weights(strategy, shallow):
+    """On a model held in GGUF blocks (here Q8_0), `ar` on those weights is the reference."""
+    check_greedy_matches_autoregressive(strategy, shallow, blocks=True)
+
+
+def check_greedy_matches_autoregressive(strategy, shallow, int8=False, blocks=False):
     for seed in range(6):
-        model = tiny_model(seed=seed, shallow=shallow)
+        model = tiny_model(seed=seed, shallow=shallow, blocks=blocks)
         gen = torch.Generator().manual_seed(100 + seed)
         for prompt_len, max_new in [(1, 9), (5, 33), (37, 20)]:
             prompt = torch.randint(0, 64, (prompt_len,), generator=gen).tolist()

@@ -31,8 +31,9 @@ from torch import Tensor
 from delspec.cache import cache_dir, write_atomically
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
+from delspec.kernels.products import Int8Weight
 from delspec.loading import NAMED_MODELS, LoadedModel, named_model_path
-from delspec.model import Int8Weight, Transformer
+from delspec.model import Transformer
 from delspec.policies import DEFAULT_STRATEGY, default_draft_vocab, default_int8_draft
 
 FORMAT = "delspec-exit-adapters"
@@ -91,10 +92,10 @@ def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
     probes = {
         "final_norm": model.norm.weight,
         "last_layer_norm": model.layers[-1].mlp_norm.weight,
-        "embedding": model.embedding.weight[rows],
+        "embedding": model.embedding_rows(rows),
     }
     if not cfg.tie_embeddings:
-        probes["lm_head"] = model.lm_head.weight[rows]
+        probes["lm_head"] = model.head_rows(rows)
     return identity, {k: v.detach().float().cpu().contiguous() for k, v in probes.items()}
 
 
@@ -302,9 +303,8 @@ class DraftHead(ExitHead):
             order.update(ids)
         ranked = torch.tensor(list(order), dtype=torch.long, device=device)
         sizes = [len(v) for v in pruned]
-        weight = model.lm_head.weight
-        rows = weight[ranked].contiguous()
-        drafts = Int8Weight(rows) if int8 and sizes else rows
+        rows = model.head_weight[ranked]
+        drafts = Int8Weight(rows) if self.int8 and sizes else rows
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
@@ -313,7 +313,8 @@ class DraftHead(ExitHead):
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
             self.level_of[ranked[lo:hi].cpu()] = level
         self.context_vocab = context_vocab and bool(pruned)
-        self.extras = [weight[:0]] * len(levels)  # per level: rows of context tokens outside it
+        self.extras = [model.head_rows(ranked[:0])] * len(levels)  # per level: rows of context
+        # tokens outside it
         self.context: set[int] = set()  # the sequence's tokens so far
         self.fresh: set[int] = set()  # those the latest `admit` added
         self.adapted: frozenset[int] = frozenset()
@@ -390,7 +391,7 @@ class DraftHead(ExitHead):
             if base is None or not len(outside):
                 continue
             self.vocabs[level] = torch.cat([self.vocabs[level], outside])
-            rows = self.model.lm_head.weight[outside]
+            rows = self.model.head_rows(outside)
             self.extras[level] = torch.cat([self.extras[level], rows])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:

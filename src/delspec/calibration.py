@@ -147,7 +147,7 @@ def fit_adapters(
     vocab_size = model.config.vocab_size
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    weight = model.lm_head.weight.detach().float()
+    weight = model.head_rows().detach().float()
     split: tuple[list, list] = ([], [])  # (training, held out): (sequence, first new position)
     for i, item in enumerate(zip(sequences, _novel_starts(sequences), strict=True)):
         split[i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1].append(item)

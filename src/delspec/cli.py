@@ -31,6 +31,12 @@ def _model_arguments(parser: argparse.ArgumentParser, positional: bool = False) 
         help="float32 (CPU default), bfloat16 (GPU default), float16, float64",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        help="weight format: native (a GGUF file's own quantised blocks), int8, float, or auto "
+        "(native for GGUF files on CPU, float otherwise)",
+    )
 
 
 def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +84,7 @@ def load(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, device=args.device, dtype=args.dtype)
+    return load_model(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -118,7 +124,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             for entry in result.trace or []:
                 f.write(json.dumps(entry) + "\n")
     if args.json:
-        print(json.dumps({"model": lm.name, **result.as_dict()}, indent=2))
+        print(
+            json.dumps(
+                {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}, indent=2
+            )
+        )
         return 0
     s = result.stats
     console.print()
@@ -155,7 +165,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tied_embeddings": cfg.tie_embeddings,
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "device": str(lm.model.device),
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "parameters": lm.model.parameter_count,
+        "weights": lm.model.weights,
+        "weight_mb": round(lm.model.weight_bytes / 2**20, 1),
     }
     if args.json:
         print(json.dumps(info, indent=2))

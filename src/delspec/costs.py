@@ -102,13 +102,14 @@ class MeasuredCost:
 
 def profile_key(exit_head: ExitHead) -> str:
     """Identifies the setting a profile's model timings were measured for: model shape, device,
-    dtype, threads, and whether drafts run on int8 weights (not the draft head's vocabulary:
-    its timings are kept per vocabulary within the profile)."""
+    dtype, weight format, threads, and whether drafts run on int8 weights (not the draft head's
+    vocabulary: its timings are kept per vocabulary within the profile)."""
     model = exit_head.model
     parts = [
         repr(model.config),
         str(model.device),
         str(model.dtype),
+        model.weights,
         str(torch.get_num_threads()),
         torch.__version__,
         "int8" if exit_head.int8 else "exact",

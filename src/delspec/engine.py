@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError
-from delspec.model import Int8Weight, Transformer, int8_supported
+from delspec.kernels.products import Int8Weight, int8_supported
+from delspec.model import Transformer
 from delspec.sampling import Sampling, draw, speculative_accept
 
 
@@ -40,9 +41,10 @@ class ExitHead:
 
     def __init__(self, model: Transformer, int8: bool = False, full_head: bool = True) -> None:
         """`full_head`: whether drafts may project onto the whole LM head (with `int8`, its int8
-        copy is then made now rather than in the first round)."""
+        copy is then made now rather than in the first round). A model held in quantised
+        weights (`Transformer.weights`) drafts on them: `int8` is then ignored."""
         self.model = model
-        self.int8 = int8
+        self.int8 = int8 = int8 and model.weights == "float"
         if int8:
             if not int8_supported(model.device):
                 raise ConfigError(
@@ -91,7 +93,7 @@ class ExitHead:
         """`[layers, positions]`: each listed layer's logit of `tokens[p]` at position p, in
         full precision (comparable with `shadow`'s, up to int8 rounding there)."""
         n = self.exit_states(hidden, exit_layers)
-        return self.model.softcap((n * self.model.lm_head.weight[tokens]).sum(-1))
+        return self.model.softcap((n * self.model.head_rows(tokens)).sum(-1))
 
     def covered(self, tokens: Tensor) -> Tensor:
         """`[levels, tokens]`: whether each level could draft each token before the latest

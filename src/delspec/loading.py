@@ -1,8 +1,9 @@
 """Loading a model and its tokenizer from a named model, a GGUF file or a Hugging Face directory.
 
 A GGUF file is converted once, through transformers' GGUF support, into a plain Hugging Face
-checkpoint directory in the user cache; later loads of the same file read that directory. Every
-problem with a model source is reported as a `ModelFormatError` naming it.
+checkpoint directory in the user cache (with an index of where the file's tensors lie); later
+loads of the same file read that directory, and in the `native` weight format the file's own
+blocks. Every problem with a model source is reported as a `ModelFormatError` naming it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any, NamedTuple
 
 import gguf
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -28,7 +29,17 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from delspec.architectures import config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.model import Transformer, build_model, rope_inv_freq
+from delspec.kernel_choice import choose_kernels
+from delspec.model import Transformer, build_model, rope_inv_freq, strip_prefix
+from delspec.weight_formats import (
+    TENSOR_INDEX,
+    check_layout,
+    hf_names,
+    int8_blocks,
+    native_blocks,
+    resolve_weights,
+    write_tensor_index,
+)
 
 
 class NamedModel(NamedTuple):
@@ -102,17 +113,38 @@ def load_model(
     *,
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
-    """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory."""
+    """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory.
+
+    `weights`: the format the model is held and computed in (`delspec.model.WEIGHT_FORMATS`):
+    "native" (a GGUF file's own quantised blocks), "int8" (8-bit blocks made from float
+    weights) or "float"; None picks native for GGUF files on CPU, float otherwise.
+    """
+    check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = _resolve_source(source)
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise ModelFormatError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    weights = resolve_weights(weights, path, device)
     if path.is_dir():
         checkpoint, name = path, path.resolve().name
-    elif path.suffix.lower() == ".gguf":
-        checkpoint, name = converted_checkpoint(path), path.stem
     else:
-        raise ModelFormatError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-    return _load_checkpoint(checkpoint, name, str(path), torch_dtype, device)
+        checkpoint, name = converted_checkpoint(path), path.stem
+    return _load_checkpoint(checkpoint, name, path, torch_dtype, device, weights)
+
+
+def check_device(device: str | torch.device) -> None:
+    """Raise `ConfigError` unless this torch build can run on `device`."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise ConfigError(f"invalid device {device!r} (use cpu, cuda or cuda:N)") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        built = "has no CUDA support" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise ConfigError(f"device {device!r} is unavailable: this torch build {built}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} is unavailable on this machine")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
@@ -187,6 +219,7 @@ def converted_checkpoint(path: Path) -> Path:
             flush=True,
         )
         _convert_gguf(path, reader, architecture, out)
+        write_tensor_index(reader, architecture, out / TENSOR_INDEX)
 
     return build_once(target, path, convert)
 
@@ -314,9 +347,10 @@ def _check_gguf(path: Path) -> tuple[gguf.GGUFReader, str]:
 
 
 def _load_checkpoint(
-    directory: Path, name: str, source: str, dtype: torch.dtype, device: str
+    directory: Path, name: str, source: Path, dtype: torch.dtype, device: str, weights: str
 ) -> LoadedModel:
-    """Build the model in a Hugging Face checkpoint directory."""
+    """Build the model in a Hugging Face checkpoint directory (converted from GGUF file
+    `source`, or `source` itself) in weight format `weights`."""
     if not (directory / "config.json").is_file():
         raise ModelFormatError(f"{directory} is not a model directory: it has no config.json")
     config = config_from_hf(_read_json(directory / "config.json"))
@@ -324,15 +358,27 @@ def _load_checkpoint(
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
-    model = build_model(config, _read_weights(directory), dtype=dtype, device=device)
+    if weights == "native":
+        blocks = native_blocks(source, directory / TENSOR_INDEX, config)
+        checked = {f"layers.0.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj")}
+        state = _read_weights(directory, skip=hf_names(set(blocks)) - checked)
+        check_layout(blocks, state)
+    else:
+        state = _read_weights(directory)
+        blocks = int8_blocks(state, config) if weights == "int8" else {}
+    for unused in hf_names(set(blocks)):
+        state.pop(unused, None)
+    model = build_model(config, state, dtype=dtype, device=device, blocks=blocks, weights=weights)
+    choose_kernels(model)
     generation = directory / "generation_config.json"
     generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
     eos = [*config.eos_token_ids, *_ids(generation_eos), *_ids(tokenizer.eos_token_id)]
-    return LoadedModel(model, tokenizer, name, source, tuple(dict.fromkeys(eos)))
+    return LoadedModel(model, tokenizer, name, str(source), tuple(dict.fromkeys(eos)))
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint's safetensors file(s), by Hugging Face name."""
+def _read_weights(directory: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint's safetensors file(s), by Hugging Face name without its
+    model prefix (`strip_prefix`), except those named in `skip` (never read)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
@@ -344,7 +390,10 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(file))
+            with safe_open(file, framework="pt") as tensors:
+                for key in tensors.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    if strip_prefix(key) not in skip:
+                        state[strip_prefix(key)] = tensors.get_tensor(key)
         except _LIBRARY_ERRORS as exc:
             raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
     return state

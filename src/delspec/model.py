@@ -2,14 +2,14 @@
 
 Primitives only: `embed`, `run_layers` over any contiguous layer range (optionally on int8 copies
 of the weights, for drafts), and `head` (final norm + LM head). Batch size is 1 and hidden states
-are `[tokens, hidden]`. Writing position p into the cache overwrites whatever was there, and
+are `[tokens, hidden]`. The linear weights and the embedding are float tensors, or (weight formats
+`native` and `int8`) `BlockWeight`s: GGUF blocks multiplied by the compiled kernels, with no float
+copy kept. Writing position p into the cache overwrites whatever was there, and
 attention at p sees exactly positions 0..p, so rejected draft positions never need cropping.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,108 +20,76 @@ from torch import Tensor, nn
 
 from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
+from delspec.kernels import attention
+from delspec.kernels.blocks import BlockWeight
+from delspec.kernels.products import (
+    BLOCK_KERNELS,
+    DEQUANT_ROWS,
+    FLOAT_KERNELS,
+    Int8Weight,
+    narrow_product,
+    packed_product,
+    prepack,
+    prepackable,
+    row_bucket,
+)
 
-# Float32 CPU products with up to this many rows run as `weight @ x.T` with two to four
-# columns. MKL's matrix-vector kernel (one row) and its general kernel at a few rows reach about
-# a third of the memory bandwidth that its two-to-four-column kernel reaches on the CPUs we
-# measured, and decoding is bound by streaming the weights. Up to twice as many rows run as two
-# such products, which still beats the general kernel. See `linear`.
-NARROW_ROWS = 4
-# Float32 CPU products of this many rows go through a weight copy prepacked by oneDNN
-# (`Linear`): measured faster than `linear` from three rows on, for layers and LM heads alike.
-# Longer products (prefills) are compute-bound and stay with `F.linear`.
-PACKED_ROWS = range(3, 33)
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T (+ bias)` for `x` of shape `[..., in]`, fast at decode-sized inputs.
-
-    On CPU in float32 with 1..2 * NARROW_ROWS rows in all, this computes `weight @ x.T` over
-    chunks of at most NARROW_ROWS rows (one row doubled to two): the same product through a
-    kernel that streams the weight at full memory bandwidth. Everything else is `F.linear`.
-    Results agree with `F.linear` to float32 rounding.
-    """
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or rows > 2 * NARROW_ROWS:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, -1).contiguous()  # the fast kernel wants x.T column-major
-    if rows == 1:
-        flat = torch.cat([flat, flat])
-    parts = [(weight @ chunk.T).T for chunk in flat.split(NARROW_ROWS)]
-    out = (parts[0] if len(parts) == 1 else torch.cat(parts))[:rows]
-    out = out.reshape(*x.shape[:-1], -1)
-    return out if bias is None else out + bias
-
-
-def _prepackable(x: Tensor, weight: Tensor) -> bool:
-    """Whether oneDNN can take this product with a prepacked weight (CPU, float32, no grad)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-class Int8Weight:
-    """A weight-only int8 copy of a linear weight: symmetric, one scale per output row.
-
-    Products take bfloat16 activations (the fast path of `torch._weight_int8pack_mm` on CPU and
-    GPU) and return the input's dtype. A quarter of float32's bytes, so a memory-bound product
-    runs several times faster; results are approximate, which is all a draft needs.
-    """
-
-    def __init__(self, weight: Tensor) -> None:
-        w = weight.detach().float()
-        scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.weight = (w / scale[:, None]).round().to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16)
-
-    def __getitem__(self, rows: slice) -> Int8Weight:
-        """A range of output rows (views, no copy), as `weight[rows]` would be."""
-        part = copy.copy(self)
-        part.weight, part.scale = self.weight[rows], self.scale[rows]
-        return part
-
-    def __call__(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
-
-
-@functools.cache
-def int8_supported(device: torch.device) -> bool:
-    """Whether this torch build runs `Int8Weight` products on `device` (a tiny trial)."""
-    try:
-        Int8Weight(torch.ones(8, 64, device=device))(torch.ones(1, 64, device=device))
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+# The weight formats a model can be held in (see `Transformer.weights`).
+WEIGHT_FORMATS = ("native", "int8", "float")
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` computed by `linear`, with two derived copies of the weight made on first use
-    (and again whenever the weight changes):
-
-    - on CPU in float32, products of `PACKED_ROWS` rows go through a copy prepacked by oneDNN,
-      whose cost barely grows with the row count: verifying several tokens then reads the
-      weights about once (`linear` reads them once per NARROW_ROWS rows). This doubles the
-      float32 weights' memory once such a product has run;
-    - `forward(x, int8=True)` uses an `Int8Weight` copy (drafts only).
+    """`nn.Linear` computed by one of the product kernels of `delspec.kernels.products`:
+    the one measured fastest on this machine for the product's row count (`kernels`, set by
+    `delspec.kernel_choice`), plain `F.linear` (or the block kernel) until measured. With
+    `blocks` (a `BlockWeight`, which then replaces `weight`) the products run on GGUF blocks.
+    Derived copies of a float weight (oneDNN-prepacked, int8) are made on first use and again
+    whenever the weight changes; `forward(x, int8=True)` uses the int8 copy (drafts only).
     """
 
+    blocks: BlockWeight | None = None
+    kernels: dict[int, str] | None = None  # per row bucket (`row_bucket`): the kernel chosen
+
     def forward(self, x: Tensor, int8: bool = False) -> Tensor:
-        if int8:
+        if int8 and self.blocks is None:
             out = self.int8_weight()(x)
             return out if self.bias is None else out + self.bias
-        if x.numel() // x.shape[-1] not in PACKED_ROWS or not _prepackable(x, self.weight):
-            return linear(x, self.weight, self.bias)
-        packed = self._copy("packed", _prepack)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        kernel = self.kernels.get(row_bucket(x.numel() // x.shape[-1])) if self.kernels else None
+        return self.compute(x, kernel)
 
-    def int8_weight(self) -> Int8Weight:
-        """The int8 copy of the weight (made now if missing or stale)."""
+    def candidates(self, x: Tensor) -> tuple[str, ...]:
+        """The kernels that can compute this layer's product with `x`. Dequantising block
+        weights is a candidate for long products only: below that, the block kernel reads each
+        block once for all rows, and dequantising would read them too, then write and read
+        the weights again in float (4-8 times their bytes)."""
+        if self.blocks is not None:
+            return BLOCK_KERNELS if x.numel() // x.shape[-1] > DEQUANT_ROWS else BLOCK_KERNELS[:1]
+        return FLOAT_KERNELS if prepackable(x, self.weight) else FLOAT_KERNELS[:2]
+
+    def compute(self, x: Tensor, kernel: str | None = None) -> Tensor:
+        """The product through `kernel` (one of `candidates`; None: the default)."""
+        if self.blocks is not None:
+            if kernel == "dequant":
+                out = F.linear(x, self.blocks.dequantize(dtype=x.dtype))
+            else:
+                out = self.blocks(x)
+        elif kernel == "narrow":
+            out = narrow_product(x, self.weight)
+        elif kernel == "packed" and prepackable(x, self.weight):
+            out = packed_product(x, self._copy("packed", prepack))
+        else:
+            out = F.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+    def drop_copy(self, kind: str) -> None:
+        """Free a derived copy of the weight ("packed" or "int8"), if made."""
+        self.__dict__.get("_copies", {}).pop(kind, None)
+
+    def int8_weight(self) -> Int8Weight | BlockWeight:
+        """The int8 copy of the weight (made now if missing or stale); block weights are
+        their own cheap copy."""
+        if self.blocks is not None:
+            return self.blocks
         return self._copy("int8", Int8Weight)
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles leave the derived copies out
@@ -136,10 +104,6 @@ class Linear(nn.Linear):
             copies.pop(kind, None)  # free the stale copy first
             cached = copies[kind] = (key, make(self.weight.detach()))
         return cached[1]
-
-
-def _prepack(weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 2 * NARROW_ROWS)
 
 
 class RMSNorm(nn.Module):
@@ -208,8 +172,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Grouped-query attention with RoPE over the layer's KV cache. On CPU in float32 it is
+    row-exact (`kernels.attention`): a position's result does not depend on how many positions
+    are computed with it, so verification and plain steps agree bit for bit."""
+
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding window's length, or None
         spec = config.spec
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -242,6 +211,11 @@ class Attention(nn.Module):
         end = start + n
         cache[0, :, start:end] = k
         cache[1, :, start:end] = v
+        if attention.available(q):
+            out = attention.row_exact_attention(
+                q, cache[0], cache[1], start, self.window, self.scale
+            )
+            return self.o(out.transpose(0, 1).reshape(n, -1), int8)
         keys, values = cache[0, :, :end], cache[1, :, :end]
         # Grouped-query attention without copying keys: fold each group's heads into rows.
         group = self.num_heads // self.num_kv_heads
@@ -270,11 +244,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         dim, sandwich = config.hidden_size, config.spec.sandwich_norm
         self.attn_norm = rms_norm(config, dim)
-        self.attn = Attention(config)
+        self.attn = Attention(config, window)
         self.post_attn_norm = rms_norm(config, dim) if sandwich else None
         self.mlp_norm = rms_norm(config, dim)
         self.mlp = MLP(config)
@@ -294,13 +268,38 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Block(config, config.sliding_window if config.is_sliding(i) else None)
+            for i in range(config.num_layers)
+        )
         self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
         self.cache: Tensor | None = None  # [layers, 2, kv_heads, length, head_dim]
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
+        self.embed_blocks: BlockWeight | None = None  # replaces embedding.weight when set
+        self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
+
+    def use_blocks(self, blocks: dict[str, BlockWeight], weights: str) -> None:
+        """Hold the listed weights as blocks: `blocks` maps a `Linear`'s module name (or
+        "embedding") to its weight, whose float parameter is dropped. A tied LM head follows
+        the embedding."""
+        for name, weight in blocks.items():
+            module = self.embedding if name == "embedding" else self.get_submodule(name)
+            if tuple(weight.shape) != tuple(module.weight.shape):
+                raise ModelFormatError(
+                    f"weight {name!r} has shape {tuple(weight.shape)}, "
+                    f"but the config implies {tuple(module.weight.shape)}"
+                )
+            module.weight = None
+            if name == "embedding":
+                self.embed_blocks = weight
+                if self.config.tie_embeddings:
+                    self.lm_head.weight, self.lm_head.blocks = None, weight
+            else:
+                module.blocks = weight
+        self.weights = weights
 
     @property
     def num_layers(self) -> int:
@@ -308,11 +307,47 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embedding.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding.weight.dtype
+        return self.norm.weight.dtype
+
+    @property
+    def block_weights(self) -> list[BlockWeight]:
+        """The weights held as blocks, each once."""
+        held = [self.embed_blocks] + [getattr(m, "blocks", None) for m in self.modules()]
+        return list({id(b): b for b in held if b is not None}.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take as held (float parameters and blocks)."""
+        floats = sum(p.numel() * p.element_size() for p in self.parameters())
+        return floats + sum(b.nbytes for b in self.block_weights)
+
+    @property
+    def parameter_count(self) -> int:
+        """Weights in the model, however they are held."""
+        floats = sum(p.numel() for p in self.parameters())
+        return floats + sum(b.rows * b.cols for b in self.block_weights)
+
+    @property
+    def head_weight(self) -> Tensor | BlockWeight:
+        """The LM head's weight `[vocab, hidden]`, as held (float or blocks)."""
+        return self.lm_head.weight if self.lm_head.blocks is None else self.lm_head.blocks
+
+    def head_rows(self, tokens: Tensor | None = None) -> Tensor:
+        """The float LM head rows of `tokens` (all rows when None)."""
+        if self.lm_head.blocks is None:
+            return self.lm_head.weight if tokens is None else self.lm_head.weight[tokens]
+        rows = self.lm_head.blocks.dequantize(tokens, self.dtype)
+        return rows.to(self.device)
+
+    def embedding_rows(self, tokens: Tensor) -> Tensor:
+        """The float embedding rows of `tokens`."""
+        if self.embed_blocks is None:
+            return self.embedding(tokens)
+        return self.embed_blocks.dequantize(tokens, self.dtype).to(self.device)
 
     @property
     def cache_length(self) -> int:
@@ -354,7 +389,7 @@ class Transformer(nn.Module):
 
     def embed(self, ids: Tensor) -> Tensor:
         """Token ids `[tokens]` -> hidden states `[tokens, hidden]`."""
-        h = self.embedding(ids)
+        h = self.embedding_rows(ids)
         if self.config.spec.embed_scale:  # rounded to float32 first, as transformers does
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(h.dtype)
         return h
@@ -406,22 +441,27 @@ class Transformer(nn.Module):
         return h
 
     def head(
-        self, h: Tensor, weight: Tensor | Int8Weight | None = None, int8: bool = False
+        self, h: Tensor, weight: Tensor | Int8Weight | BlockWeight | None = None, int8: bool = False
     ) -> Tensor:
         """Final norm + LM head -> logits. `weight` may be a row subset of the LM head; without
         one, `int8` uses the LM head's int8 copy."""
         return self.project(self.norm(h), weight, int8)
 
     def project(
-        self, n: Tensor, weight: Tensor | Int8Weight | None = None, int8: bool = False
+        self, n: Tensor, weight: Tensor | Int8Weight | BlockWeight | None = None, int8: bool = False
     ) -> Tensor:
         """LM head (+ final logit soft-capping) on already normalised states `n`."""
         if weight is None:
             logits = self.lm_head(n, int8)
-        elif isinstance(weight, Int8Weight):
+        elif isinstance(weight, Int8Weight | BlockWeight):
             logits = weight(n)
-        else:
-            logits = linear(n, weight)
+        else:  # float rows of the head: the kernel chosen for the head's products of that size
+            kernels = self.lm_head.kernels or {}
+            rows = n.numel() // n.shape[-1]
+            if kernels.get(row_bucket(rows)) == "narrow":
+                logits = narrow_product(n, weight)
+            else:
+                logits = F.linear(n, weight)
         return self.softcap(logits)
 
     def softcap(self, logits: Tensor) -> Tensor:
@@ -435,54 +475,64 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Load weights named as in a Hugging Face checkpoint, checking every shape."""
+        """Load weights named as in a Hugging Face checkpoint, checking every shape. Weights held
+        as blocks (`use_blocks`) are neither read nor needed."""
         cfg, spec = self.config, self.config.spec
-        state = {_strip_prefix(k): v for k, v in state.items()}
+        state = {strip_prefix(k): v for k, v in state.items()}
 
-        def take(name: str) -> Tensor:
-            if name not in state:
-                raise ModelFormatError(f"weight {name!r} is missing from the checkpoint")
-            return state[name]
-
-        def put(param: Tensor, value: Tensor, name: str) -> None:
+        def put(param: Tensor | None, names: tuple[str, ...], label: str) -> None:
+            if param is None:  # held as blocks
+                return
+            missing = [name for name in names if name not in state]
+            if missing:
+                raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
+            value = torch.cat([state[name] for name in names])
             if tuple(param.shape) != tuple(value.shape):
                 raise ModelFormatError(
-                    f"weight {name!r} has shape {tuple(value.shape)}, "
+                    f"weight {label!r} has shape {tuple(value.shape)}, "
                     f"but the config implies {tuple(param.shape)}"
                 )
             param.copy_(value.to(param.dtype))
 
-        put(self.embedding.weight, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm.weight, take("norm.weight"), "norm.weight")
+        def load(param: Tensor | None, name: str) -> None:
+            put(param, (name,), name)
+
+        load(self.embedding.weight, "embed_tokens.weight")
+        load(self.norm.weight, "norm.weight")
         if not cfg.tie_embeddings:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            load(self.lm_head.weight, "lm_head.weight")
         mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
         for i, block in enumerate(self.layers):
             p = f"layers.{i}."
-            a = p + "self_attn."
-            qkv = [take(a + f"{x}_proj.weight") for x in "qkv"]
-            put(block.attn.qkv.weight, torch.cat(qkv), a + "qkv_proj.weight")
+            for module, parts in FUSED_LINEARS.items():
+                linear = block.get_submodule(module)
+                fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
+                label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"
+                put(linear.weight, tuple(f"{p}{x}.weight" for x in parts), label)
             if spec.qkv_bias:
-                bias = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-                put(block.attn.qkv.bias, bias, a + "qkv_proj.bias")
-            put(block.attn.o.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+                names = tuple(f"{p}self_attn.{x}_proj.bias" for x in "qkv")
+                put(block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias")
             if spec.qk_norm:
-                put(block.attn.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm")
-                put(block.attn.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(block.mlp.gate_up.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(block.mlp.down.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            name = p + "input_layernorm.weight"
-            put(block.attn_norm.weight, take(name), name)
-            put(block.mlp_norm.weight, take(p + mlp_norm + ".weight"), p + mlp_norm)
+                load(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
+                load(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
+            load(block.attn_norm.weight, p + "input_layernorm.weight")
+            load(block.mlp_norm.weight, p + mlp_norm + ".weight")
             if spec.sandwich_norm:
-                name = p + "post_attention_layernorm.weight"
-                put(block.post_attn_norm.weight, take(name), name)
-                name = p + "post_feedforward_layernorm.weight"
-                put(block.post_mlp_norm.weight, take(name), name)
+                load(block.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+                load(block.post_mlp_norm.weight, p + "post_feedforward_layernorm.weight")
 
 
-def _strip_prefix(name: str) -> str:
+# The Hugging Face weights that each fused linear layer of a block is made of, in row order.
+FUSED_LINEARS = {
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+}
+
+
+def strip_prefix(name: str) -> str:
+    """A Hugging Face weight name without its model prefix (`model.`, ...)."""
     for prefix in ("model.language_model.", "language_model.model.", "model."):
         if name.startswith(prefix):
             return name[len(prefix) :]
@@ -495,12 +545,17 @@ def build_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    blocks: dict[str, BlockWeight] | None = None,
+    weights: str = "float",
 ) -> Transformer:
-    """Create a `Transformer` (random init when `state` is None) in eval mode on `device`."""
+    """Create a `Transformer` (random init when `state` is None) in eval mode on `device`, with
+    the weights in `blocks` held as blocks (see `Transformer.use_blocks`) in format `weights`."""
     with torch.device("meta"):
         model = Transformer(config)
+    if blocks:
+        model.use_blocks(blocks, weights)
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_embeddings:
+    if config.tie_embeddings and model.embed_blocks is None:
         model.lm_head.weight = model.embedding.weight
     if state is None:
         model.apply(_init_random)
@@ -510,7 +565,7 @@ def build_model(
 
 
 def _init_random(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear | nn.Embedding):
+    if isinstance(module, nn.Linear | nn.Embedding) and module.weight is not None:
         nn.init.normal_(module.weight, std=0.02)
         if getattr(module, "bias", None) is not None:
             nn.init.normal_(module.bias, std=0.02)

@@ -2,14 +2,20 @@
 
 A backend is built once per run from the loaded model; `Backend.generator(strategy, options)`
 checks the options and returns a `Generate`: ``(prompt ids, max new tokens) -> Output``, greedy,
-stopping after an EOS token of the model. Peers load the Hugging Face checkpoint that delspec
-loaded (for a GGUF file, its cached conversion) in the same dtype, on the same device.
+stopping after an EOS token of the model. The transformers and economize peers load the Hugging
+Face checkpoint that delspec loaded (for a GGUF file, its cached conversion) in the same dtype,
+on the same device; the llama.cpp peer loads the GGUF file itself, with its own kernels (and,
+for a quantized file, its quantized weights, where delspec runs the dequantized ones).
+
+A backend whose library is not installed raises `BackendUnavailable`; the runner then skips its
+methods with that message.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,22 @@ from delspec.loading import LoadedModel, converted_checkpoint
 from delspec.policies import make_policy
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
+# llama-cpp-python compiles llama.cpp on install. Its default build (-march=native, AMX when the
+# CPU has it) can die with SIGILL on virtual machines whose CPU flags differ from the host's; this
+# portable AVX2 build runs on any x86-64 CPU from 2013 on. Also the Makefile's `install-llama`.
+LLAMA_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
+    "-DLLAMA_CURL=OFF"
+)
+LLAMA_INSTALL = (
+    f"CMAKE_ARGS=\"{LLAMA_CMAKE_ARGS}\" pip install 'delspec[llama]' (in a checkout: "
+    "make install-llama)"
+)
+
+
+class BackendUnavailable(ConfigError):
+    """A peer library is not installed (or does not load); its methods are skipped."""
 
 
 @dataclass
@@ -35,12 +57,20 @@ class Output:
     stats: Stats | None = None
     trace: list[dict[str, Any]] | None = None
     layers: list[int] | None = None
+    # Seconds of the prompt's forward pass and of everything after it (all new tokens), where
+    # the backend can tell them apart.
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 Generate = Callable[[list[int], int], Output]
 
 
 class Backend(Protocol):
+    """What runs a method. A backend that allocates a fixed context per generator also has
+    ``reserve(tokens)``, which the runner calls before making its generators, with the most
+    tokens (prompt and new) that one generation of the run can need."""
+
     def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
         """A generation function; invalid options raise `ConfigError` here, not on first use."""
         ...
@@ -86,7 +116,11 @@ class DelspecBackend:
                 trace=True,
             )
             layers = getattr(policy, "candidates", None)
-            return Output(decoded.token_ids, decoded.stats, decoded.trace, layers)
+            stats = decoded.stats
+            decode_s = stats.decode_ms_per_token * max(1, stats.new_tokens) / 1000
+            return Output(
+                decoded.token_ids, stats, decoded.trace, layers, stats.prefill_ms / 1000, decode_s
+            )
 
         return generate
 
@@ -170,10 +204,85 @@ class EconomizeBackend:
         return generate
 
 
+class LlamaCppBackend:
+    """llama.cpp through llama-cpp-python ("greedy"), on the GGUF file delspec loaded.
+
+    It runs the same prompt token ids (no re-tokenization) with llama.cpp's greedy sampler, one
+    token per step, stopping after an EOS token of the model (delspec's EOS ids) or at the
+    maximum, as delspec does; `n_threads` (prompt and decode) is torch's thread count, which is
+    the bench's ``--threads``. Its context is `n_ctx` tokens (an option; by default what the
+    run needs, see `reserve`, at most the model's context), allocated once per generator. The
+    prompt's forward pass and the decoding after it are timed apart, as for delspec.
+    """
+
+    def __init__(self, lm: LoadedModel) -> None:
+        try:
+            import llama_cpp
+        except (ImportError, OSError, RuntimeError) as exc:
+            reason = "not installed" if isinstance(exc, ImportError) else f"not loadable ({exc})"
+            raise BackendUnavailable(
+                f"llama-cpp-python is {reason}; install it with: {LLAMA_INSTALL}"
+            ) from exc
+        if Path(lm.source).suffix.lower() != ".gguf":
+            raise ConfigError(f"llama.cpp needs a GGUF model; {lm.source} is not a .gguf file")
+        self.llama_cpp = llama_cpp
+        self.lm = lm
+        self.context = lm.model.config.max_position
+
+    def reserve(self, tokens: int) -> None:
+        self.context = max(1, min(tokens, self.lm.model.config.max_position))
+
+    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+        options = dict(options)
+        n_ctx = options.pop("n_ctx", self.context)
+        if strategy != "greedy" or options:
+            raise ConfigError(f"llama.cpp {strategy} takes no options {options}")
+        if not isinstance(n_ctx, int) or n_ctx < 2:
+            raise ConfigError(f"n_ctx must be an integer >= 2, got {n_ctx!r}")
+        llama_cpp = self.llama_cpp
+        threads = torch.get_num_threads()
+        llm = llama_cpp.Llama(
+            model_path=self.lm.source,
+            n_ctx=n_ctx,
+            n_batch=min(n_ctx, 512),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        context = min(llm.n_ctx(), self.lm.model.config.max_position)
+        greedy = llama_cpp.llama_sampler_init_greedy()  # argmax of the last position's logits
+        eos = set(self.lm.eos_token_ids)
+
+        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+            if len(prompt_ids) >= context:
+                raise ConfigError(
+                    f"the prompt has {len(prompt_ids)} tokens but llama.cpp's context is "
+                    f"{context} (n_ctx)"
+                )
+            limit = min(max_new_tokens, context - len(prompt_ids))
+            llm.reset()  # no reuse of the previous prompt's KV cache
+            start = time.perf_counter()
+            llm.eval(prompt_ids)
+            prefilled = time.perf_counter()
+            tokens: list[int] = []
+            while True:
+                token = llama_cpp.llama_sampler_sample(greedy, llm.ctx, -1)
+                tokens.append(token)
+                if token in eos or len(tokens) >= limit:
+                    break
+                llm.eval([token])
+            end = time.perf_counter()
+            return Output(tokens, prefill_s=prefilled - start, decode_s=end - prefilled)
+
+        weakref.finalize(generate, llama_cpp.llama_sampler_free, greedy)
+        return generate
+
+
 BACKENDS: dict[str, Callable[[LoadedModel], Backend]] = {
     "delspec": DelspecBackend,
     "transformers": TransformersBackend,
     "economize": EconomizeBackend,
+    "llama-cpp": LlamaCppBackend,
 }
 
 

@@ -29,10 +29,10 @@ class MethodSpec:
     """How a named method runs.
 
     `backend` names an entry of `delspec.bench.runner.BACKENDS` ("delspec", "transformers",
-    "economize"); `strategy` is what that backend runs (a delspec strategy name, or the peer's
-    mode). `peer` methods come from other libraries: their outputs are compared with `ar` but a
-    mismatch does not fail the run. `sweep` methods first pick `exit_layer` and `draft_length`
-    per task on calibration prompts (grid options are lists).
+    "economize", "llama-cpp"); `strategy` is what that backend runs (a delspec strategy name, or
+    the peer's mode). `peer` methods come from other libraries: their outputs are compared with
+    `ar` but a mismatch does not fail the run. `sweep` methods first pick `exit_layer` and
+    `draft_length` per task on calibration prompts (grid options are lists).
     """
 
     strategy: str
@@ -83,6 +83,13 @@ METHODS: dict[str, MethodSpec] = {
         backend="economize",
         peer=True,
         description="economize's LayerSkip drafter (shared head, frozen layers), d drafts",
+    ),
+    "llama-cpp": MethodSpec(
+        "greedy",
+        backend="llama-cpp",
+        peer=True,
+        description="llama.cpp (llama-cpp-python), greedy, on the same GGUF file (its own "
+        "kernels; a quantized file's weights stay quantized); option n_ctx",
     ),
 }
 

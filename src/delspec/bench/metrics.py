@@ -5,7 +5,9 @@ generation (prefill included); speedup divides a method's overall speed by `ar`'
 prompts. `speedup_median` is the median of per-prompt speed ratios. Acceptance rate and mean
 draft length pool all rounds; eTPL and mean exit layer average the per-prompt values; policy
 share is the time spent in the policy between rounds (DEL's shadow tokens) over wall time.
-Peers have no delspec statistics: those fields are None for them.
+Peers have no delspec statistics: those fields are None for them. Prefill speed is total prompt
+tokens over total time of the prompts' forward passes, decode speed total new tokens over the
+total time after them; None for a method that does not time them apart (transformers).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def _speed(rows: Sequence[dict[str, Any]]) -> float:
     return sum(r["new_tokens"] for r in rows) / sum(r["wall_s"] for r in rows)
 
 
+def _phase_speed(rows: Sequence[dict[str, Any]], tokens: str, seconds: str) -> float | None:
+    times = [r.get(seconds) for r in rows]
+    if not rows or any(t is None for t in times) or not sum(times):
+        return None
+    return round(sum(r[tokens] for r in rows) / sum(times), 3)
+
+
 def _summary(rows: Sequence[dict[str, Any]], reference_speed: float) -> dict[str, Any]:
     wall = sum(r["wall_s"] for r in rows)
     speed = _speed(rows)
@@ -75,6 +84,8 @@ def _summary(rows: Sequence[dict[str, Any]], reference_speed: float) -> dict[str
         "speedup_median": round(statistics.median(r["speedup"] for r in rows), 4),
         "lossless": all(r["lossless"] for r in rows),
         "mismatches": sum(not r["lossless"] for r in rows),
+        "prefill_tokens_per_s": _phase_speed(rows, "prompt_tokens", "prefill_s"),
+        "decode_tokens_per_s": _phase_speed(rows, "new_tokens", "decode_s"),
     }
     stats = [r["stats"] for r in rows if r["stats"] is not None]
     if len(stats) < len(rows):  # a peer

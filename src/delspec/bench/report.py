@@ -94,19 +94,24 @@ def markdown(result: BenchResult) -> str:
         "",
         "## Details (all prompts)",
         "",
-        "| Method | tok/s | speedup | median per-prompt speedup | acceptance | mean exit layer "
-        "| mean draft length | policy time share | lossless |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Method | tok/s | speedup | median per-prompt speedup | prefill tok/s | decode tok/s "
+        "| acceptance | mean exit layer | mean draft length | policy time share "
+        "| peak RSS MiB (own / process) | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in result.methods:
+    for method, info in result.methods.items():
         m = aggregates[OVERALL][method]
+        rss = info.get("memory") or {}
         lines.append(
             f"| {method} | {m['tokens_per_s']:.2f} | {m['speedup']:.2f}× | "
-            f"{m['speedup_median']:.2f}× | {_num(m['acceptance_rate'], '.1%')} | "
+            f"{m['speedup_median']:.2f}× | {_num(m.get('prefill_tokens_per_s'), '.1f')} | "
+            f"{_num(m.get('decode_tokens_per_s'), '.2f')} | {_num(m['acceptance_rate'], '.1%')} | "
             f"{_num(m['mean_exit_layer'], '.1f')} | {_num(m['mean_draft_length'], '.2f')} | "
-            f"{_num(m['policy_share'], '.1%')} | {'yes' if m['lossless'] else 'NO'} |"
+            f"{_num(m['policy_share'], '.1%')} | {_num(rss.get('peak_mib'), '.0f')} / "
+            f"{_num(rss.get('process_peak_mib'), '.0f')} | {'yes' if m['lossless'] else 'NO'} |"
         )
-    lines += ["", *_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
+    lines += ["", *_details_notes(result)]
+    lines += [*_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
     lines += ["## Plots", "", f"![speedup by task and method]({SPEEDUP_PNG})", ""]
     if result.trace:
         lines += [
@@ -135,11 +140,31 @@ def summary_lines(result: BenchResult) -> list[str]:
     return lines
 
 
+def _details_notes(result: BenchResult) -> list[str]:
+    start = result.environment.get("rss_start_mib")
+    return [
+        "Prefill: prompt tokens per second of the prompt's forward pass; decode: new tokens per "
+        "second after it (– where a library does not time them apart). Peak RSS, own: the "
+        "resident memory the method needs, as measured in this one process: what the RSS grew "
+        "by while the method was set up (built and warmed up: a peer's own weights and buffers) "
+        "plus its largest peak above the level just before one of its generations (KV cache, "
+        "activations), plus, for delspec methods, the tensors of delspec's model they share "
+        "(weights and the derived copies made so far). It leaves out the interpreter and "
+        f"libraries (the process had {_num(start, '.0f')} MiB, delspec's model included, when "
+        "the bench started). Process: the process's peak during the method's generations, with "
+        "every method's models loaded. Memory an allocator reuses from earlier work does not "
+        "show as growth.",
+        "",
+    ]
+
+
 def _method_notes(result: BenchResult) -> list[str]:
     lines = ["## Methods", ""]
     for label, info in result.methods.items():
         options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
         lines.append(f"- `{label}`: {info['description']}" + (f" ({options})" if options else ""))
+    for label, reason in result.settings.get("skipped", {}).items():
+        lines.append(f"- `{label}`: skipped, {reason}")
     return [*lines, ""]
 
 

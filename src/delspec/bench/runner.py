@@ -5,7 +5,8 @@ and per repeat, so that a drift of the machine's speed falls on all methods alik
 time is the median over its repeats (its output and statistics are the first run's). Each
 method first runs one short untimed generation (warm-up). `static-sweep` methods first time
 every (E, d) of their grid on each task's calibration prompts (interleaved the same way) and
-keep the fastest per task.
+keep the fastest per task. A method whose library is not installed is skipped, with a message.
+Each method's resident memory is measured as it is set up and run (`delspec.bench.memory`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from delspec.bench.backends import BACKENDS, Backend, Generate, Output, timed
+from delspec.bench import memory
+from delspec.bench.backends import BACKENDS, Backend, BackendUnavailable, Generate, Output, timed
 from delspec.bench.methods import REFERENCE, Method
 from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
 from delspec.bench.tasks import TASKS, Prompt, load_prompts_file, load_task
@@ -65,7 +67,7 @@ class BenchResult:
     model: dict[str, Any]
     settings: dict[str, Any]
     environment: dict[str, Any]
-    methods: dict[str, dict[str, Any]]
+    methods: dict[str, dict[str, Any]]  # with each method's "memory" (RSS in MiB)
     records: list[dict[str, Any]]
     sweeps: dict[str, dict[str, Any]]
     trace: dict[str, Any] | None
@@ -148,6 +150,8 @@ def run_bench(
     """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`.
 
     `command` is the invocation recorded with the results (default: this process's argv).
+    A method whose backend raises `BackendUnavailable` (its library is not installed) is left
+    out, with a one-line message on stderr, and listed under ``settings["skipped"]``.
 
     Raises `ConfigError` for a method option its backend rejects (before any timed run).
     """
@@ -167,16 +171,31 @@ def run_bench(
     grids = {m.label: _sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not calibration.get(task) for task in tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
-    runs = len(encoded) * len(methods) * repeats
-    runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
-    bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
+    longest = max(len(ids) for ids in [*encoded.values(), *calibration.values()])
+    environment["rss_start_mib"] = memory.mib(memory.rss())
 
     backends: dict[str, Backend] = {}
+    unavailable: dict[str, str] = {}  # per backend, why it cannot run
+    skipped: dict[str, str] = {}  # per method label
+    usage: dict[str, memory.MethodMemory] = {}
     candidates: dict[str, list[Generate]] = {}  # per method, per grid setting (else one)
     for method in methods:
-        if method.spec.backend not in backends:
-            backends[method.spec.backend] = BACKENDS[method.spec.backend](lm)
-        backend = backends[method.spec.backend]
+        name = method.spec.backend
+        usage[method.label] = memory.MethodMemory(None if method.spec.peer else lm.model)
+        usage[method.label].start_setup()
+        if name not in backends and name not in unavailable:
+            try:
+                backends[name] = BACKENDS[name](lm)
+            except BackendUnavailable as exc:
+                unavailable[name] = str(exc)
+            else:
+                if reserve := getattr(backends[name], "reserve", None):
+                    reserve(longest + max_new_tokens)
+        if name in unavailable:
+            skipped[method.label] = unavailable[name]
+            print(f"delspec: skipping {method.label}: {unavailable[name]}", file=sys.stderr)
+            continue
+        backend = backends[name]
         fixed = {k: v for k, v in method.options.items() if k not in SWEEP_OPTIONS}
         options = (
             [{**fixed, **setting} for setting in grids[method.label]]
@@ -184,13 +203,21 @@ def run_bench(
             else [method.options]
         )
         candidates[method.label] = [_generator(method, backend, o) for o in options]
+        usage[method.label].end_setup()
+    methods = [m for m in methods if m.label not in skipped]
+    grids = {label: grid for label, grid in grids.items() if label not in skipped}
 
+    runs = len(encoded) * len(methods) * repeats
+    runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
+    bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
     first = next(iter(encoded.values()))
     generators: dict[str, dict[str, Generate]] = {}  # per method, per task
     sweeps: dict[str, dict[str, Any]] = {}
     for method in methods:
+        usage[method.label].start_setup()
         for generate in candidates[method.label]:
             generate(first, min(WARMUP_TOKENS, max_new_tokens))
+        usage[method.label].end_setup()
         if method.spec.sweep:
             sweeps[method.label], generators[method.label] = _sweep(
                 grids[method.label], candidates[method.label], calibration, max_new_tokens, bar
@@ -207,7 +234,9 @@ def run_bench(
             for turn, method in enumerate(_rotated(methods, index + repeat)):
                 bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
                 generate = generators[method.label][prompt.task]
+                usage[method.label].start_run()
                 output, seconds = timed(generate, ids, max_new_tokens)
+                usage[method.label].end_run()
                 times[method.label].append(seconds)
                 firsts.setdefault(method.label, (output, turn))
                 bar.update()
@@ -233,9 +262,10 @@ def run_bench(
             "repeats": repeats,
             "calibration_held_out": prompt_set.held_out,
             "warmup_tokens": WARMUP_TOKENS,
+            "skipped": skipped,
         },
         environment=environment,
-        methods={m.label: _method_info(m) for m in methods},
+        methods={m.label: _method_info(m) | {"memory": usage[m.label].as_dict()} for m in methods},
         records=records,
         sweeps=sweeps,
         trace=_plotted_trace(methods, traced),
@@ -327,6 +357,7 @@ def _records(
         output, seconds, turn = outputs[method.label]
         speed = len(output.token_ids) / seconds
         divergence = first_divergence(output.token_ids, reference.token_ids)
+        prefill, decode = output.prefill_s, output.decode_s
         records.append(
             {
                 "task": prompt.task,
@@ -338,6 +369,13 @@ def _records(
                 "wall_s": round(seconds, 6),
                 "tokens_per_s": round(speed, 3),
                 "speedup": round(speed / reference_speed, 4),
+                # the prompt's forward pass and the decoding after it, apart (first run)
+                "prefill_s": _round(prefill, 6),
+                "decode_s": _round(decode, 6),
+                "prefill_tokens_per_s": _round(prompt_tokens / prefill if prefill else None, 3),
+                "decode_tokens_per_s": _round(
+                    len(output.token_ids) / decode if decode else None, 3
+                ),
                 "lossless": divergence is None,
                 "first_divergence": divergence,
                 "stats": output.stats.as_dict() if output.stats else None,
@@ -345,6 +383,10 @@ def _records(
             }
         )
     return records
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _plotted_trace(
@@ -387,12 +429,20 @@ def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, An
         "torch": torch.__version__,
         "transformers": metadata.version("transformers"),
         "delspec": metadata.version("delspec"),
+        "llama_cpp_python": _version("llama-cpp-python"),
         "threads": torch.get_num_threads(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:

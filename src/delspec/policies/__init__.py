@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from delspec.errors import ConfigError
-from delspec.model import int8_supported
+from delspec.kernels.products import int8_supported
 from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static

@@ -1,0 +1,138 @@
+"""Which product kernel each linear layer uses, measured on this machine.
+
+For every weight shape a model holds (its layers' projections and its LM head, per weight
+format) and every row bucket (`kernels.products.ROW_BUCKETS`: the one-token step, verify sizes,
+prefill), the candidate kernels (`Linear.candidates`) are timed over all the model's layers of
+that shape, one product each, so that the weights stream from memory as in a real step. The
+fastest is kept. Choices are cached (`~/.cache/delspec/kernels`), keyed by the CPU, torch, the
+thread count, the model shape, dtype and weight format, and measured again after a week, as the
+cost profile is; the cost profile, measured with the chosen kernels, then sees their times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from delspec.cache import cache_dir, write_atomically
+from delspec.costs import PROFILE_MAX_AGE_S
+from delspec.kernels.build import cpu_flags, cpu_name, library
+from delspec.kernels.products import ROW_BUCKETS
+from delspec.model import Linear, Transformer
+
+CHOICE_VERSION = 1
+STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
+# seconds(candidate name, run) -> the time of `run()`; injectable for tests.
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+def fastest(times: dict[str, float]) -> str:
+    """The candidate with the least time."""
+    return min(times, key=times.__getitem__)
+
+
+def median_seconds(name: str, run: Callable[[], object], repeats: int = 3) -> float:
+    """Median wall time of `run()` over `repeats` runs after one untimed run."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
+
+
+def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
+    """The model's linear layers by weight kind and shape (`kind:out:in`)."""
+    groups: dict[str, list[Linear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            kind = "blocks" if module.blocks is not None else str(module.weight.dtype)
+            groups[f"{kind}:{module.out_features}:{module.in_features}"].append(module)
+    return dict(groups)
+
+
+def measure_choices(model: Transformer, timer: Timer = median_seconds) -> dict[str, dict[int, str]]:
+    """Per layer group (`layer_groups`) and row bucket, the fastest candidate kernel."""
+    choices: dict[str, dict[int, str]] = {}
+    with torch.inference_mode():
+        for key, layers in layer_groups(model).items():
+            choices[key] = {}
+            for rows in ROW_BUCKETS:
+                x = torch.randn(rows, layers[0].in_features, dtype=model.dtype, device=model.device)
+                # long products are compute-bound: a few layers tell as much as all of them
+                timed = layers if rows <= STREAMING_ROWS else layers[:2]
+                names = timed[0].candidates(x)
+                if len(names) > 1:
+                    times = {name: timer(name, _products(timed, x, name)) for name in names}
+                    names = (fastest(times),)
+                choices[key][rows] = names[0]
+            if "packed" not in choices[key].values():
+                for layer in layers:  # measuring made copies that no product will use
+                    layer.drop_copy("packed")
+    return choices
+
+
+def _products(layers: list[Linear], x: torch.Tensor, kernel: str) -> Callable[[], object]:
+    """One product of `x` with every layer of a group, through `kernel`."""
+    return lambda: [layer.compute(x, kernel) for layer in layers]
+
+
+def apply_choices(model: Transformer, choices: dict[str, dict[int, str]]) -> None:
+    """Give each linear layer its group's kernels."""
+    for key, layers in layer_groups(model).items():
+        for layer in layers:
+            layer.kernels = dict(choices[key])
+
+
+def choose_kernels(model: Transformer) -> None:
+    """Apply this machine's kernel choices for `model`, measuring them on first use (CPU only:
+    elsewhere every product keeps its default kernel)."""
+    if model.device.type != "cpu":
+        return
+    path = cache_dir() / "kernels" / f"choice-{_choice_key(model)}.json"
+    choices = _read(path)
+    if choices is None or set(choices) != set(layer_groups(model)):
+        print(
+            f"delspec: timing product kernels on this CPU (once; cached in {path.parent})",
+            file=sys.stderr,
+            flush=True,
+        )
+        choices = measure_choices(model)
+        stored = {"version": CHOICE_VERSION, "measured_at": time.time(), "cpu": cpu_name()}
+        text = json.dumps({**stored, "choices": choices}, indent=1)
+        write_atomically(path, lambda out: out.write_text(text))
+    apply_choices(model, choices)
+
+
+def _choice_key(model: Transformer) -> str:
+    lib = library()
+    parts = [
+        cpu_name(),
+        " ".join(sorted(cpu_flags())),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        repr(model.config),
+        str(model.dtype),
+        model.weights,
+        str(lib.dl_simd_level()) if lib is not None and model.weights != "float" else "-",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _read(path) -> dict[str, dict[int, str]] | None:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if stored.get("version") != CHOICE_VERSION:
+        return None
+    if time.time() - stored.get("measured_at", 0) > PROFILE_MAX_AGE_S:
+        return None
+    return {key: {int(r): k for r, k in rows.items()} for key, rows in stored["choices"].items()}

@@ -1,0 +1,136 @@
+"""Building and loading the compiled kernels (`gguf_blocks.c`, `attention.c`) on this machine.
+
+The C sources are compiled at first use with the compiler that is there (`$CC`, else cc/gcc/clang),
+for the instruction set this CPU reports: AVX-512 VNNI dot products, AVX2 with FMA and F16C, or
+portable C. The library is cached in delspec's cache, keyed by the source, the flags and the
+compiler, so a later run (or a machine with another CPU sharing the cache) never loads a build
+made for other instructions. Where no compiler works, `library()` returns None and says once
+why; callers then use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from delspec.cache import cache_dir, write_atomically
+
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_blocks.c", "attention.c")]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_VNNI = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+_COMMON = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+DISABLE_ENV = "DELSPEC_NO_KERNELS"  # set to 1: never build or load the compiled kernels
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def simd_flags(flags: frozenset[str]) -> list[str]:
+    """Compiler flags for the widest path this CPU supports."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if {"avx2", "fma", "f16c"} <= flags:
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            return _AVX512_VNNI
+        return _AVX2
+    return []
+
+
+def cpu_name() -> str:
+    """The CPU's model name (for results and cache keys)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _notice(message: str) -> None:
+    print(f"delspec: {message}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built now if needed; None (after a one-line notice) when they
+    cannot be had here."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        _notice(f"compiled GGUF kernels disabled ({DISABLE_ENV}=1); using torch's kernels")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _notice("no C compiler found; GGUF weights run on torch's kernels (slower)")
+        return None
+    flags = [*_COMMON, *simd_flags(cpu_flags())]
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = []
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, *flags, compiler, *version]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"delspec_kernels-{key}.so"
+    if not path.is_file():
+        target = " ".join(flags[len(_COMMON) :]) or "portable C"
+        _notice(f"building the GGUF block kernels ({target})...")
+        try:
+            write_atomically(path, lambda out: _compile(compiler, flags, out))
+        except (OSError, subprocess.SubprocessError) as exc:
+            _notice(f"could not build the GGUF kernels ({exc}); using torch's kernels (slower)")
+            return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _notice(f"could not load the GGUF kernels ({exc}); using torch's kernels (slower)")
+        return None
+    _declare(lib)
+    return lib
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    result = subprocess.run(
+        [compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if result.returncode != 0:
+        raise subprocess.SubprocessError(result.stderr.strip().splitlines()[-1:] or "failed")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dl_simd_level.restype = i32
+    lib.dl_row_bytes.argtypes = [i32, i64]
+    lib.dl_row_bytes.restype = i64
+    lib.dl_matmul.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+    lib.dl_matmul.restype = i32
+    lib.dl_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.dl_dequantize.restype = i32
+    lib.dl_attention.argtypes = [p, p, p, p, i32, i32, i32, i32, i64, i64, i64, ctypes.c_float, i32]
+    lib.dl_attention.restype = i32

@@ -1,0 +1,520 @@
+/* Products on GGUF weight blocks as stored: y[m, n] = sum_k x[m, k] * W[n, k].
+ *
+ * x (float32, M rows) is quantised once per call to 8 bits per block of 32 (scale = amax / 127,
+ * round to nearest); each output row is then a sum over weight blocks of integer dot products
+ * times one float scale per block (and a block minimum times the block's sum of x, for the
+ * types that have one). Every weight block of 32 values is read as (unsigned values q,
+ * scale s, minimum m) with w = s * q + m per half of 16 (Q6_K has a scale per 16), except Q8_0,
+ * whose values are signed.
+ *
+ * Each output element is computed by the same sequence of operations whatever M, the row's
+ * place in the call and the thread count: outputs are split over threads by weight row only,
+ * rows of x are processed in chunks of at most 16 with the same per-row code, and the build
+ * turns off floating-point contraction. So a row's bits never depend on what it is batched with.
+ *
+ * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with AVX-512 VNNI
+ * dot products where the CPU has them, or portable C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define MAX_ROWS 16 /* rows of x per inner pass */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* Bytes per block and values per block of each type; 0 for a type this file cannot read. */
+static int block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int block_values(int type) { return type >= Q4_K ? 256 : 32; }
+
+/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
+static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Group g (32 values) of the block at b: values q (unsigned, or signed for Q8_0), and the scale
+ * and minimum of each half of 16: w[i] = s[i / 16] * q[i] + m[i / 16]. */
+static void unpack_group(int type, const uint8_t *b, int g, int16_t *q, float *s, float *m) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
+        float d = f16_at(b), mn = type == Q4_0 ? -8.0f * d : f16_at(b + 2);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = qs[i] & 0x0f;
+            q[i + 16] = qs[i] >> 4;
+        }
+        s[0] = s[1] = d;
+        m[0] = m[1] = mn;
+        return;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const uint8_t *qh = b + (type == Q5_0 ? 2 : 4), *qs = qh + 4;
+        float d = f16_at(b), mn = type == Q5_0 ? -16.0f * d : f16_at(b + 2);
+        uint32_t high;
+        memcpy(&high, qh, 4);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (qs[i] & 0x0f) | (((high >> i) & 1) << 4);
+            q[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
+        }
+        s[0] = s[1] = d;
+        m[0] = m[1] = mn;
+        return;
+    }
+    case Q8_0: {
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; ++i) q[i] = qs[i];
+        s[0] = s[1] = f16_at(b);
+        m[0] = m[1] = 0.0f;
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        float d = f16_at(b), dmin = f16_at(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (type == Q4_K ? 16 : 48);
+        int sc, mn;
+        k_scale_min(scales, g, &sc, &mn);
+        const uint8_t *bytes = ql + 32 * (g / 2);
+        for (int i = 0; i < 32; ++i) {
+            int v = g % 2 ? bytes[i] >> 4 : bytes[i] & 0x0f;
+            if (type == Q5_K) v |= ((qh[i] >> g) & 1) << 4;
+            q[i] = (int16_t)v;
+        }
+        s[0] = s[1] = d * (float)sc;
+        m[0] = m[1] = -(dmin * (float)mn);
+        return;
+    }
+    case Q6_K: {
+        const uint8_t *ql = b + 64 * (g / 4), *qh = b + 128 + 32 * (g / 4);
+        const int8_t *scales = (const int8_t *)(b + 192) + 8 * (g / 4);
+        float d = f16_at(b + 208);
+        int part = g % 4; /* 0: ql low, 1: ql+32 low, 2: ql high, 3: ql+32 high */
+        const uint8_t *lo = ql + (part % 2) * 32;
+        for (int i = 0; i < 32; ++i) {
+            int low = part < 2 ? lo[i] & 0x0f : lo[i] >> 4;
+            q[i] = (int16_t)(low | (((qh[i] >> (2 * part)) & 3) << 4));
+        }
+        for (int h = 0; h < 2; ++h) {
+            s[h] = d * (float)scales[2 * part + h];
+            m[h] = -32.0f * s[h];
+        }
+        return;
+    }
+    }
+}
+
+/* ---- activations ------------------------------------------------------------------------ */
+
+/* x quantised per block of 32, with each block's scale and sums laid out as the eight float
+ * lanes the AVX2 loop multiplies with: d8 = the scale eight times; sum8 = a quarter of
+ * d * (sum of q) over the first half of the block in lanes 0-3, over the second in lanes 4-7. */
+typedef struct {
+    int8_t *q;    /* [M][K] */
+    float *d8;    /* [M][K / 32][8] */
+    float *sum8;  /* [M][K / 32][8] */
+} Activations;
+
+static int alloc_activations(Activations *a, int64_t M, int64_t K) {
+    int64_t lanes = M * (K / GROUP) * 8;
+    a->q = malloc((size_t)(M * K));
+    a->d8 = malloc((size_t)lanes * sizeof(float));
+    a->sum8 = malloc((size_t)lanes * sizeof(float));
+    if (a->q && a->d8 && a->sum8) return 0;
+    free(a->q), free(a->d8), free(a->sum8);
+    return -2;
+}
+
+static void free_activations(Activations *a) { free(a->q), free(a->d8), free(a->sum8); }
+
+static void quantise_rows(const float *x, int64_t ldx, int M, int K, Activations *a) {
+    int groups = K / GROUP;
+    for (int r = 0; r < M; ++r) {
+        const float *row = x + (int64_t)r * ldx;
+        for (int g = 0; g < groups; ++g) {
+            const float *v = row + g * GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *q = a->q + (int64_t)r * K + g * GROUP;
+            int sums[2] = {0, 0};
+            for (int i = 0; i < GROUP; ++i) {
+                q[i] = (int8_t)lrintf(v[i] * inv);
+                sums[i / 16] += q[i];
+            }
+            float *d8 = a->d8 + ((int64_t)r * groups + g) * 8;
+            float *sum8 = a->sum8 + ((int64_t)r * groups + g) * 8;
+            for (int l = 0; l < 8; ++l) {
+                d8[l] = d;
+                sum8[l] = 0.25f * (d * (float)sums[l / 4]);
+            }
+        }
+    }
+}
+
+/* ---- portable product ------------------------------------------------------------------- */
+#ifndef __AVX2__
+static void row_portable(int type, const uint8_t *w, int K, const Activations *a, int K_ld,
+                         int rows, float *out) {
+    int bb = block_bytes(type), per = block_values(type) / GROUP, groups = K / GROUP;
+    int16_t q[GROUP];
+    float s[2], m[2];
+    float acc[MAX_ROWS] = {0};
+    for (int g = 0; g < groups; ++g) {
+        unpack_group(type, w + (int64_t)(g / per) * bb, g % per, q, s, m);
+        for (int r = 0; r < rows; ++r) {
+            const int8_t *x = a->q + (int64_t)r * K_ld + g * GROUP;
+            int32_t dot[2] = {0, 0};
+            for (int i = 0; i < GROUP; ++i) dot[i / 16] += (int32_t)q[i] * x[i];
+            const float *d8 = a->d8 + ((int64_t)r * groups + g) * 8;
+            const float *sum8 = a->sum8 + ((int64_t)r * groups + g) * 8;
+            acc[r] += (s[0] * d8[0]) * (float)dot[0] + (s[1] * d8[0]) * (float)dot[1];
+            for (int l = 0; l < 8; ++l) acc[r] += m[l / 4] * sum8[l];
+        }
+    }
+    for (int r = 0; r < rows; ++r) out[r] = acc[r];
+}
+#define row_dispatch row_portable
+#endif
+
+/* ---- AVX2 product ----------------------------------------------------------------------- */
+#ifdef __AVX2__
+
+/* Eight int32 sums of four u8 x s8 products each (bytes 4j..4j+3 into lane j). */
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+
+static inline __m256i high_nibbles(__m256i v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+}
+
+/* 16 packed bytes -> 32 values: low nibbles (values 0..15), then high nibbles (16..31). */
+static inline __m256i nibbles_32(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return low_nibbles(both);
+}
+
+/* 0x10 in byte i where bit i of the 32-bit word at p is set. */
+static inline __m256i bit_16s(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/* With AVX-512 (VNNI), groups are multiplied two at a time in 512-bit registers: the first of a
+ * pair is kept (PAIR_KEEP) and both go together with the second (PAIR_UPDATE). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAIRS 1
+typedef __m512 acc_t;
+static inline __m512 join_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __m512i join_si(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+/* acc += (s * d) * dot + m * sum for groups gp and gp + 1 (`mask` bytes of x: 0 drops gp + 1) */
+#define PAIR_UPDATE(qv, sv, mv, gp, xmask, fmask)                                              \
+    for (int r = 0; r < rows; ++r) {                                                           \
+        const int64_t at = ((int64_t)r * groups + (gp)) * 8;                                   \
+        __m512i xv = _mm512_maskz_loadu_epi8(xmask, xq + (int64_t)r * K_ld + (gp) * GROUP);    \
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);                     \
+        __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(fmask, xd8 + at));              \
+        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);                      \
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(fmask, xs8 + at), acc[r]);          \
+    }
+#define GROUP_UPDATE(qv, sv, mv, sign)                                                         \
+    if (g & 1) {                                                                               \
+        __m512i q2 = join_si(kept_q, qv);                                                      \
+        __m512 s2 = join_ps(kept_s, sv), m2 = join_ps(kept_m, mv);                             \
+        PAIR_UPDATE(q2, s2, m2, g - 1, ~0ULL, 0xffff)                                          \
+    } else {                                                                                   \
+        kept_q = qv, kept_s = sv, kept_m = mv;                                                 \
+    }
+static inline float acc_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#else
+#define PAIRS 0
+typedef __m256 acc_t;
+/* The per-row update of one group: acc += (s * d) * dot + m * sum, for `rows` rows; `sv` and
+ * `mv` hold the group's weight scale and minimum per lane (lanes 0-3: first half, 4-7: second).
+ * `sign`: signed values without a minimum (Q8_0 without VNNI). */
+#define GROUP_UPDATE(qv, sv, mv, sign)                                                        \
+    for (int r = 0; r < rows; ++r) {                                                         \
+        const int64_t at = ((int64_t)r * groups + g) * 8;                                    \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K_ld + g * GROUP)); \
+        __m256i dot = sign ? dot_u8_s8(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv))    \
+                           : dot_u8_s8(qv, xv);                                              \
+        __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(xd8 + at));                         \
+        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);                    \
+        if (!sign) acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), acc[r]);          \
+    }
+static inline float acc_sum(__m256 v) { return hsum(v); }
+#endif
+
+static inline __m256 halves(float lo, float hi) {
+    return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
+}
+
+static inline __attribute__((always_inline)) void row_avx2(int type, const uint8_t *w, int K,
+                                                            const Activations *a, int K_ld,
+                                                            int rows, float *out) {
+    const int8_t *xq = a->q;
+    const float *xd8 = a->d8, *xs8 = a->sum8;
+    int groups = K / GROUP;
+    acc_t acc[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) memset(&acc[r], 0, sizeof(acc_t));
+#if PAIRS
+    __m256i kept_q = _mm256_setzero_si256();
+    __m256 kept_s = _mm256_setzero_ps(), kept_m = _mm256_setzero_ps();
+#endif
+    switch (type) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1:
+    case Q8_0: {
+        int bb = block_bytes(type);
+        for (int g = 0; g < groups; ++g) {
+            const uint8_t *b = w + (int64_t)g * bb;
+            float d = f16_at(b);
+            __m256 sv = _mm256_set1_ps(d);
+            if (type == Q8_0) {
+                __m256i qv = _mm256_loadu_si256((const __m256i *)(b + 2));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                /* q + 128 is unsigned and VNNI's sums do not saturate: w = d * (q+128) - 128 d */
+                qv = _mm256_xor_si256(qv, _mm256_set1_epi8((char)0x80));
+                __m256 mv = _mm256_set1_ps(-128.0f * d);
+                GROUP_UPDATE(qv, sv, mv, 0)
+#else
+                GROUP_UPDATE(qv, sv, sv, 1)
+#endif
+            } else if (type == Q4_0 || type == Q4_1) {
+                __m256 mv = _mm256_set1_ps(type == Q4_0 ? -8.0f * d : f16_at(b + 2));
+                __m256i qv = nibbles_32(b + (type == Q4_0 ? 2 : 4));
+                GROUP_UPDATE(qv, sv, mv, 0)
+            } else {
+                const uint8_t *qh = b + (type == Q5_0 ? 2 : 4);
+                __m256 mv = _mm256_set1_ps(type == Q5_0 ? -16.0f * d : f16_at(b + 2));
+                __m256i qv = _mm256_or_si256(nibbles_32(qh + 4), bit_16s(qh));
+                GROUP_UPDATE(qv, sv, mv, 0)
+            }
+        }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        int bb = block_bytes(type);
+        for (int g0 = 0; g0 < groups; g0 += 8) {
+            const uint8_t *b = w + (int64_t)(g0 / 8) * bb;
+            float d = f16_at(b), dmin = f16_at(b + 2);
+            const uint8_t *qh = b + 16, *ql = b + (type == Q4_K ? 16 : 48);
+            __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+            for (int j = 0; j < 8; ++j) {
+                int g = g0 + j, sc, mn;
+                k_scale_min(b + 4, j, &sc, &mn);
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(ql + 32 * (j / 2)));
+                __m256i qv = j % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
+                if (type == Q5_K) { /* bit j of each qh byte -> 0x10 */
+                    __m256i bit = _mm256_and_si256(high, _mm256_set1_epi8((char)(1 << j)));
+                    bit = _mm256_cmpeq_epi8(bit, _mm256_set1_epi8((char)(1 << j)));
+                    qv = _mm256_or_si256(qv, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+                }
+                __m256 sv = _mm256_set1_ps(d * (float)sc);
+                __m256 mv = _mm256_set1_ps(-(dmin * (float)mn));
+                GROUP_UPDATE(qv, sv, mv, 0)
+            }
+        }
+        break;
+    }
+    case Q6_K: {
+        for (int g0 = 0; g0 < groups; g0 += 8) {
+            const uint8_t *b = w + (int64_t)(g0 / 8) * 210;
+            float d = f16_at(b + 208);
+            for (int half = 0; half < 2; ++half) {
+                const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
+                const int8_t *scales = (const int8_t *)(b + 192) + 8 * half;
+                __m256i la = _mm256_loadu_si256((const __m256i *)ql);
+                __m256i lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+                const __m256i two_bits = _mm256_set1_epi8(0x30);
+                __m256i parts[4] = {
+                    _mm256_or_si256(low_nibbles(la),
+                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), two_bits)),
+                    _mm256_or_si256(low_nibbles(lb),
+                                    _mm256_and_si256(_mm256_slli_epi16(hv, 2), two_bits)),
+                    _mm256_or_si256(high_nibbles(la), _mm256_and_si256(hv, two_bits)),
+                    _mm256_or_si256(high_nibbles(lb),
+                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), two_bits)),
+                };
+                for (int p = 0; p < 4; ++p) {
+                    int g = g0 + 4 * half + p;
+                    float s0 = d * (float)scales[2 * p], s1 = d * (float)scales[2 * p + 1];
+                    __m256 sv = halves(s0, s1), mv = halves(-32.0f * s0, -32.0f * s1);
+                    GROUP_UPDATE(parts[p], sv, mv, 0)
+                }
+            }
+        }
+        break;
+    }
+    }
+#if PAIRS
+    if (groups & 1) { /* the last group has no partner: its half of the pair is zero */
+        __m512i q2 = join_si(kept_q, _mm256_setzero_si256());
+        __m512 s2 = join_ps(kept_s, _mm256_setzero_ps()), m2 = join_ps(kept_m, _mm256_setzero_ps());
+        PAIR_UPDATE(q2, s2, m2, groups - 1, 0xffffffffULL, 0x00ff)
+    }
+#endif
+    for (int r = 0; r < rows; ++r) out[r] = acc_sum(acc[r]);
+}
+
+/* One specialised copy per row count, so that accumulators stay in registers. */
+#define ROWS_CASE(n)                                                                         \
+    case n: row_avx2(type, w, K, a, K_ld, n, out); return;
+static void row_dispatch(int type, const uint8_t *w, int K, const Activations *a, int K_ld,
+                         int rows, float *out) {
+    switch (rows) {
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+        ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15) ROWS_CASE(16)
+    }
+}
+#endif
+
+/* ---- entry points ----------------------------------------------------------------------- */
+
+/* Which instruction path this build uses: 2 = AVX-512 VNNI dot products, 1 = AVX2, 0 = C. */
+int dl_simd_level(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Bytes one row of K values takes in `type`; 0 when unsupported or K is not whole blocks. */
+int64_t dl_row_bytes(int type, int64_t K) {
+    int bb = block_bytes(type), bv = block_values(type);
+    return bb && K % bv == 0 ? K / bv * bb : 0;
+}
+
+/* y[m * ldy + n] = x[m] . W[n] for m < M, n < N. W: N rows of `row_stride` bytes. Returns 0, or
+ * -1 for an unsupported type or shape, -2 when out of memory. */
+int dl_matmul(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
+              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
+    if (!dl_row_bytes(type, K) || K % GROUP) return -1;
+    Activations a;
+    int64_t groups = K / GROUP;
+    if (alloc_activations(&a, M, K)) return -2;
+    quantise_rows(x, ldx, (int)M, (int)K, &a);
+    /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
+     * only its current chunk, not a fixed half of the rows */
+    int64_t chunk = N / ((int64_t)threads * 16) > 32 ? N / ((int64_t)threads * 16) : 32;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t n = 0; n < N; ++n) {
+        float out[MAX_ROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+            Activations part = {a.q + m0 * K, a.d8 + m0 * groups * 8, a.sum8 + m0 * groups * 8};
+            row_dispatch(type, w + n * row_stride, (int)K, &part, (int)K, rows, out);
+            for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = out[r];
+        }
+    }
+    free_activations(&a);
+    return 0;
+}
+
+/* out[r * K + k] = W[rows[r], k] (float32); rows == NULL means rows 0..count-1. */
+int dl_dequantize(int type, const uint8_t *w, int64_t row_stride, int64_t K, const int64_t *rows,
+                  int64_t count, float *out, int threads) {
+    if (!dl_row_bytes(type, K)) return -1;
+    int bb = block_bytes(type), per = block_values(type) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count >= 64)
+    for (int64_t r = 0; r < count; ++r) {
+        const uint8_t *row = w + (rows ? rows[r] : r) * row_stride;
+        int16_t q[GROUP];
+        float s[2], m[2];
+        for (int64_t g = 0; g < K / GROUP; ++g) {
+            unpack_group(type, row + (g / per) * bb, (int)(g % per), q, s, m);
+            float *o = out + r * K + g * GROUP;
+            for (int i = 0; i < GROUP; ++i) o[i] = s[i / 16] * (float)q[i] + m[i / 16];
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,99 @@
+"""The kernel chooser keeps what measures fastest, not a fixed rule, and caches its choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from delspec import kernel_choice
+from delspec.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
+from delspec.kernels.products import ROW_BUCKETS
+from delspec.model import Linear
+
+
+def given_speeds(seconds: dict[str, float]):
+    """A timer that reports the given time per candidate (and still runs it once)."""
+
+    def timer(name, run):
+        run()
+        return seconds[name]
+
+    return timer
+
+
+def test_fastest_is_the_least_time():
+    assert fastest({"linear": 2.0, "narrow": 1.0, "packed": 3.0}) == "narrow"
+    assert fastest({"blocks": 0.5, "dequant": 0.7}) == "blocks"
+
+
+@pytest.mark.parametrize(
+    "speeds,winner",
+    [
+        ({"linear": 2.0, "narrow": 1.0, "packed": 3.0}, "narrow"),
+        ({"linear": 1.0, "narrow": 2.0, "packed": 3.0}, "linear"),
+        ({"linear": 3.0, "narrow": 2.0, "packed": 1.0}, "packed"),
+    ],
+)
+def test_the_faster_candidate_is_chosen_for_every_layer(speeds, winner):
+    model = tiny_model(seed=0, dtype=torch.float32)
+    choices = measure_choices(model, given_speeds(speeds))
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert set(choices) == {f"torch.float32:{m.out_features}:{m.in_features}" for m in layers}
+    assert len(choices) == 4  # qkv and the LM head share a shape (64 x 32)
+    assert all(set(rows) == set(ROW_BUCKETS) for rows in choices.values())
+    assert {kernel for rows in choices.values() for kernel in rows.values()} == {winner}
+    apply_choices(model, choices)
+    assert all(layer.kernels == dict.fromkeys(ROW_BUCKETS, winner) for layer in layers)
+    if winner != "packed":  # copies made while timing that no product will use are freed
+        assert all("packed" not in layer.__dict__.get("_copies", {}) for layer in layers)
+
+
+def test_outputs_agree_whatever_the_kernels():
+    ids = torch.arange(9)
+    logits = []
+    for speeds in (
+        {"linear": 1, "narrow": 2, "packed": 3},
+        {"linear": 3, "narrow": 1, "packed": 2},
+    ):
+        model = tiny_model(seed=1, dtype=torch.float32)
+        apply_choices(model, measure_choices(model, given_speeds(speeds)))
+        model.setup_cache(16)
+        with torch.inference_mode():
+            logits.append(model(ids))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_block_weights_offer_dequantising_only_for_long_products():
+    model = tiny_model(seed=0, blocks=True)
+    seen: list[str] = []
+
+    def timer(name, run):
+        seen.append(name)
+        return {"blocks": 1.0, "dequant": 0.5}[name]
+
+    choices = measure_choices(model, timer)
+    for rows in choices.values():
+        assert all(rows[r] == "blocks" for r in ROW_BUCKETS if r <= 20)
+        assert all(rows[r] == "dequant" for r in ROW_BUCKETS if r > 20)
+    assert set(seen) == {"blocks", "dequant"}
+
+
+def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    model = tiny_model(seed=0, dtype=torch.float32)
+    calls = []
+    measured = dict.fromkeys(ROW_BUCKETS, "narrow")
+
+    def measure(m):
+        calls.append(m)
+        return {key: dict(measured) for key in kernel_choice.layer_groups(m)}
+
+    monkeypatch.setattr(kernel_choice, "measure_choices", measure)
+    choose_kernels(model)
+    choose_kernels(tiny_model(seed=1, dtype=torch.float32))  # same shapes: read from the cache
+    assert len(calls) == 1
+    assert list(tmp_path.glob("kernels/choice-*.json"))
+    assert model.lm_head.kernels == measured
+    choose_kernels(tiny_model(seed=0, dtype=torch.float32, num_layers=3))  # another model
+    assert len(calls) == 2

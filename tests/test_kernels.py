@@ -1,0 +1,159 @@
+"""The GGUF block kernels: products against gguf's own dequantisation, row bits independent of
+the batch and the thread count, clear refusals, and the announced fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from delspec.errors import ModelFormatError
+from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
+from delspec.kernels.build import library
+from delspec.loading import default_model_path
+
+T = gguf.GGMLQuantizationType
+# Byte offsets of each type's float16 block fields (scales and minimums).
+HALF_FIELDS = {
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q8_0: [0],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the GGUF kernels")
+
+
+def synthetic_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of `qtype` (every bit pattern of the integer fields, sane float16 scales)."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[qtype]:
+        scale = rng.uniform(0.5, 1.5, blocks.shape[:2]) * (0.01 if values == 256 else 0.1)
+        if offset == 2 and values == 32:  # Q4_1 / Q5_1 minimum
+            scale = -8 * scale
+        blocks[:, :, offset : offset + 2] = (
+            scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+        )
+    return blocks.reshape(rows, -1)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Bound on |kernel - exact| from 8-bit activation rounding: each x in a block of 32 is
+    off by at most half its block's step amax/127, so a product is off by at most
+    sum over blocks of step/2 * sum |w| over the block (plus float32 accumulation slack)."""
+    step = x.double().reshape(len(x), -1, 32).abs().amax(-1) / 127
+    weight_mass = w.double().abs().reshape(len(w), -1, 32).sum(-1)
+    exact = x.double() @ w.double().T
+    return 0.5 * step @ weight_mass.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 0 * exact
+
+
+def check_product(weight: BlockWeight, qtype: T, raw: np.ndarray, rows: int = 16) -> None:
+    reference = torch.from_numpy(dequantize(raw, qtype).reshape(weight.shape)).double()
+    x = torch.randn(rows, weight.cols, generator=torch.Generator().manual_seed(1))
+    got = weight(x).double()
+    exact = x.double() @ reference.T
+    bound = error_bound(x, reference)
+    assert bool(((got - exact).abs() <= bound).all()), qtype.name
+    # well inside the bound too: the error is a sum of independent roundings
+    assert float((got - exact).abs().max()) < 0.5 * float(bound.max())
+    torch.testing.assert_close(weight.dequantize().double(), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_synthetic_blocks_match_gguf_dequantisation(qtype):
+    raw = synthetic_blocks(qtype, 80, 512)
+    check_product(BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 512), qtype, raw)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tensors():
+    return {t.name: t for t in gguf.GGUFReader(default_model_path()).tensors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["blk.3.ffn_up.weight", "blk.7.ffn_down.weight"])
+def test_real_smollm2_blocks(smollm2_tensors, name):
+    tensor = smollm2_tensors[name]
+    check_real_blocks(tensor.tensor_type, np.array(tensor.data), int(tensor.shape[0]))
+
+
+@pytest.mark.slow
+def test_real_smollm2_head_rows(smollm2_tensors):
+    tensor = smollm2_tensors["token_embd.weight"]  # Q8_0, the tied LM head
+    check_real_blocks(tensor.tensor_type, np.array(tensor.data[::97]), int(tensor.shape[0]))
+
+
+def check_real_blocks(qtype: T, raw: np.ndarray, cols: int) -> None:
+    check_product(BlockWeight.from_blocks(qtype, torch.from_numpy(raw), cols), qtype, raw)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_row_bits_do_not_depend_on_batch_or_threads(qtype):
+    raw = synthetic_blocks(qtype, 96, 256, seed=2)  # enough rows to run on two threads
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 256)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(weight(x))  # 40 rows: chunks of 16, 16 and 8
+            for m in range(1, 17):
+                together = weight(x[:m])
+                for r in range(m):
+                    assert torch.equal(together[r], results[0][r]), (count, m, r)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+def test_parts_and_row_subsets():
+    a, b = synthetic_blocks(T.Q4_1, 8, 64, 4), synthetic_blocks(T.Q8_0, 5, 64, 5)
+    wa = BlockWeight.from_blocks(T.Q4_1, torch.from_numpy(a), 64)
+    wb = BlockWeight.from_blocks(T.Q8_0, torch.from_numpy(b), 64)
+    both = BlockWeight.stack([wa, wb, wb])
+    assert [p.qtype for p in both.parts] == [T.Q4_1, T.Q8_0] and both.shape == (18, 64)
+    x = torch.randn(3, 64)
+    assert torch.equal(both(x), torch.cat([wa(x), wb(x), wb(x)], -1))
+    rows = torch.tensor([4, 0, 2])
+    assert torch.equal(wa[rows](x), wa(x)[:, rows])
+    assert torch.equal(wa[2:5].dequantize(), wa.dequantize()[2:5])
+    assert torch.equal(wa.dequantize(rows), wa.dequantize()[rows])
+
+
+def test_malformed_blocks_are_refused():
+    raw = torch.from_numpy(synthetic_blocks(T.Q4_1, 4, 64))
+    with pytest.raises(ModelFormatError, match="Q4_1 block data of shape"):
+        BlockWeight.from_blocks(T.Q4_1, raw[:, :-1], 64)  # a byte short per row
+    with pytest.raises(ModelFormatError, match="not whole Q4_K blocks"):
+        BlockWeight.from_blocks(T.Q4_K, raw, 64)
+    with pytest.raises(ModelFormatError, match="no block kernel"):
+        BlockWeight.from_blocks(T.F16, raw, 64)
+
+
+def test_fallback_is_announced_and_used(tmp_path):
+    """Without the compiled kernels a GGUF model loads in float (said once); asking for native
+    weights is a clear error, not a traceback."""
+    env = {**os.environ, "DELSPEC_NO_KERNELS": "1"}
+    command = [sys.executable, "-m", "delspec.cli", "generate", "Hi", "--max-new-tokens", "2"]
+    ok = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    assert "compiled GGUF kernels disabled" in ok.stderr
+    assert '"weights": "float"' in ok.stdout
+    refused = subprocess.run(
+        [*command, "--weights", "native"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert refused.returncode != 0
+    assert "need the compiled GGUF kernels" in refused.stderr
+    assert "Traceback" not in refused.stderr
