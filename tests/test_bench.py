@@ -353,3 +353,20 @@ def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):
     assert all(r["lossless"] and r["wall_s"] > 0 for r in results["records"])
     assert bench(tiny_dir, tmp_path / "bad", *args, "--repeats", "0") == 2
     assert "repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_methods_on_another_weight_format_are_checked_against_ar_on_it(tiny_dir, tmp_path, capsys):
+    methods = "ar:weights=int8,static:E=2,d=2,weights=int8"
+    args = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", methods)
+    assert bench(tiny_dir, tmp_path / "out", *args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    by_method = {r["method"]: r for r in results["records"]}
+    assert by_method["ar"]["weights"] == "float"  # a Hugging Face directory loads in float
+    assert by_method["ar:weights=int8"]["weights"] == "int8"
+    static = by_method["static:E=2,d=2,weights=int8"]
+    assert static["reference"] == "ar:weights=int8" and static["lossless"]
+    # a model is (checkpoint, weight format): another format's output is not compared with ar's
+    assert by_method["ar:weights=int8"]["reference"] == "ar:weights=int8"
+    lonely = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", "static:E=2,d=2,weights=int8")
+    assert bench(tiny_dir, tmp_path / "bad", *lonely) == 2
+    assert "add ar:weights=int8" in capsys.readouterr().err

@@ -26,7 +26,7 @@ import torch
 from delspec.adapters import draft_head
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
-from delspec.loading import LoadedModel, converted_checkpoint
+from delspec.loading import LoadedModel, converted_checkpoint, load_model
 from delspec.policies import make_policy
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
@@ -85,14 +85,28 @@ def timed(generate: Generate, prompt_ids: list[int], max_new_tokens: int) -> tup
 
 class DelspecBackend:
     """delspec's token-level decoding loop with a named strategy (no text streaming, like the
-    peers), traced every round."""
+    peers), traced every round. Option ``weights`` runs it on the same checkpoint held in another
+    weight format (loaded once)."""
 
     def __init__(self, lm: LoadedModel) -> None:
+        self.models = {lm.model.weights: lm}
         self.lm = lm
 
+    def model_in(self, weights: str | None) -> LoadedModel:
+        """The checkpoint in weight format `weights` (None: as loaded)."""
+        if weights is None:
+            return self.lm
+        if weights not in self.models:
+            lm = self.lm
+            self.models[weights] = load_model(
+                lm.source, device=str(lm.model.device), dtype=lm.model.dtype, weights=weights
+            )
+        return self.models[weights]
+
     def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
-        model, eos = self.lm.model, self.lm.eos_token_ids
         options = dict(options)
+        lm = self.model_in(options.pop("weights", None))
+        model, eos = lm.model, lm.eos_token_ids
         # Exit-head options: adapters ("auto", a file or "none"), a pruned draft vocabulary
         # (a size, or "auto" as in `generate`; with the context's tokens unless
         # `context_vocab=false`), and int8 drafts (true, false, or "auto" as in `generate`).
@@ -101,7 +115,7 @@ class DelspecBackend:
         context_vocab = options.pop("context_vocab", True)
         int8 = options.pop("int8_draft", False)
         adapters = None if adapters == "none" else adapters
-        exit_head = draft_head(self.lm, adapters, draft_vocab, context_vocab, int8, strategy)
+        exit_head = draft_head(lm, adapters, draft_vocab, context_vocab, int8, strategy)
         make_policy(strategy, model.num_layers, **options)  # reject bad options now
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:

@@ -13,7 +13,7 @@ On the command line, ``NAME:key=value,...`` adds or overrides options; ``E`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -103,6 +103,34 @@ class Method:
     name: str
     spec: MethodSpec
     options: Mapping[str, Any]
+
+
+def weights_of(method: Method, loaded: str) -> str | None:
+    """The weight format a delspec method runs on (`loaded`: the bench model's); None for a
+    peer."""
+    if method.spec.backend != "delspec":
+        return None
+    return method.options.get("weights", loaded)
+
+
+def references(methods: Sequence[Method], loaded: str) -> dict[str, str]:
+    """Per method label, the label of the `ar` run its output must equal: `ar` on the same
+    weight format (a model is its checkpoint and weight format); the first method, `ar`, for
+    peers. Raises `ConfigError` when a format has no `ar` run."""
+    plain = {}
+    for method in methods:
+        if method.spec.backend == "delspec" and method.spec.strategy == REFERENCE:
+            plain.setdefault(weights_of(method, loaded), method.label)
+    chosen = {}
+    for method in methods:
+        weights = weights_of(method, loaded)
+        if weights is not None and weights not in plain:
+            raise ConfigError(
+                f"{method.label} runs on weights {weights!r}: add ar:weights={weights} "
+                "to check it against plain decoding on the same weights"
+            )
+        chosen[method.label] = plain[weights] if weights is not None else methods[0].label
+    return chosen
 
 
 def parse_methods(text: str) -> list[Method]:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from delspec.bench import memory
 from delspec.bench.backends import BACKENDS, Backend, BackendUnavailable, Generate, Output, timed
-from delspec.bench.methods import REFERENCE, Method
+from delspec.bench.methods import REFERENCE, Method, references, weights_of
 from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
 from delspec.bench.tasks import TASKS, Prompt, load_prompts_file, load_task
 from delspec.errors import ConfigError
@@ -161,6 +161,7 @@ def run_bench(
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    reference_of = references(methods, lm.model.weights)
     environment = run_environment(lm, command)
     tasks = prompt_set.tasks
     encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
@@ -249,7 +250,7 @@ def run_bench(
                 best = traced.get(label)
                 if best is None or len(output.trace) > len(best[1].trace or ()):
                     traced[label] = (prompt, output)
-        records += _records(lm, prompt, len(ids), methods, outputs)
+        records += _records(lm, prompt, len(ids), methods, outputs, reference_of)
     bar.close()
 
     return BenchResult(
@@ -348,15 +349,18 @@ def _records(
     prompt_tokens: int,
     methods: Sequence[Method],
     outputs: Mapping[str, tuple[Output, float, int]],
+    reference_of: Mapping[str, str],
 ) -> list[dict[str, Any]]:
-    """One record per method for `prompt`, in method order, compared with `ar`'s output."""
+    """One record per method for `prompt`, in method order: its speed against `ar`'s, its output
+    compared with that of `ar` on the same weights (`reference_of`)."""
     reference, reference_s, _ = outputs[REFERENCE]
     reference_speed = len(reference.token_ids) / reference_s
     records = []
     for method in methods:
         output, seconds, turn = outputs[method.label]
         speed = len(output.token_ids) / seconds
-        divergence = first_divergence(output.token_ids, reference.token_ids)
+        expected = outputs[reference_of[method.label]][0]
+        divergence = first_divergence(output.token_ids, expected.token_ids)
         prefill, decode = output.prefill_s, output.decode_s
         records.append(
             {
@@ -378,6 +382,8 @@ def _records(
                 ),
                 "lossless": divergence is None,
                 "first_divergence": divergence,
+                "reference": reference_of[method.label],
+                "weights": weights_of(method, lm.model.weights),
                 "stats": output.stats.as_dict() if output.stats else None,
                 "text": lm.tokenizer.decode(output.token_ids, skip_special_tokens=True),
             }

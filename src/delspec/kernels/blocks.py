@@ -64,6 +64,12 @@ class BlockWeight:
         self.parts = parts
         self.cols = cols
         self.rows = sum(p.rows for p in parts)
+        # per part, the product's fixed arguments: type, blocks, row stride, rows, output offset
+        offsets = [sum(p.rows for p in parts[:i]) * 4 for i in range(len(parts))]
+        self._calls = [
+            (int(p.qtype), p.data.data_ptr(), p.data.stride(0), p.rows, offset)
+            for p, offset in zip(parts, offsets, strict=True)
+        ]
 
     @classmethod
     def from_blocks(cls, qtype: gguf.GGMLQuantizationType, data: Tensor, cols: int) -> BlockWeight:
@@ -136,30 +142,28 @@ class BlockWeight:
 
     def __call__(self, x: Tensor) -> Tensor:
         """`x @ weight.T` for float `x` of shape `[..., in]`, in `x`'s dtype."""
-        lib = _library()
-        rows = x.numel() // self.cols
-        flat = x.reshape(rows, self.cols)
-        if flat.dtype != torch.float32 or not flat.is_contiguous():
-            flat = flat.float().contiguous()
-        out = torch.empty(rows, self.rows)
-        start, threads = 0, torch.get_num_threads()
-        for part in self.parts:
-            status = lib.dl_matmul(
-                int(part.qtype),
-                part.data.data_ptr(),
-                part.data.stride(0),
-                part.rows,
-                self.cols,
-                flat.data_ptr(),
-                self.cols,
+        flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        cols, matmul = self.cols, _library().dl_matmul
+        out = torch.empty(*x.shape[:-1], self.rows)
+        x_at, out_at, rows = flat.data_ptr(), out.data_ptr(), flat.numel() // cols
+        threads = torch.get_num_threads()
+        for qtype, blocks, stride, part_rows, offset in self._calls:  # the hot path: no more
+            status = matmul(
+                qtype,
+                blocks,
+                stride,
+                part_rows,
+                cols,
+                x_at,
+                cols,
                 rows,
-                out.data_ptr() + 4 * start,
+                out_at + offset,
                 self.rows,
                 threads,
             )
-            _check(status, part.qtype)
-            start += part.rows
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.rows)
+            if status:
+                _check(status, gguf.GGMLQuantizationType(qtype))
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _library() -> ctypes.CDLL:

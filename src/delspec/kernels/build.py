@@ -25,7 +25,15 @@ from delspec.cache import cache_dir, write_atomically
 SOURCES = [Path(__file__).with_name(name) for name in ("gguf_blocks.c", "attention.c")]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_VNNI = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-_COMMON = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+_COMMON = [
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-std=gnu11",
+]
 DISABLE_ENV = "DELSPEC_NO_KERNELS"  # set to 1: never build or load the compiled kernels
 
 

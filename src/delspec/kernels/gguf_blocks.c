@@ -170,17 +170,23 @@ typedef struct {
     float *sum8;  /* [M][K / 32][8] */
 } Activations;
 
-static int alloc_activations(Activations *a, int64_t M, int64_t K) {
-    int64_t lanes = M * (K / GROUP) * 8;
-    a->q = malloc((size_t)(M * K));
-    a->d8 = malloc((size_t)lanes * sizeof(float));
-    a->sum8 = malloc((size_t)lanes * sizeof(float));
-    if (a->q && a->d8 && a->sum8) return 0;
-    free(a->q), free(a->d8), free(a->sum8);
-    return -2;
+/* Points `a` at this thread's scratch space for M rows of K values (grown as needed, kept for
+ * the next call: no allocation per product). Returns 0, or -2 when out of memory. */
+static int scratch_activations(Activations *a, int64_t M, int64_t K) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    size_t lanes = (size_t)(M * (K / GROUP) * 8), need = (size_t)(M * K) + 2 * lanes * 4 + 64;
+    if (need > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (need + 63) / 64 * 64);
+        capacity = buffer ? (need + 63) / 64 * 64 : 0;
+        if (!buffer) return -2;
+    }
+    a->d8 = buffer;
+    a->sum8 = a->d8 + lanes;
+    a->q = (int8_t *)(a->sum8 + lanes);
+    return 0;
 }
-
-static void free_activations(Activations *a) { free(a->q), free(a->d8), free(a->sum8); }
 
 static void quantise_rows(const float *x, int64_t ldx, int M, int K, Activations *a) {
     int groups = K / GROUP;
@@ -276,43 +282,10 @@ static inline __m256i bit_16s(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* With AVX-512 (VNNI), groups are multiplied two at a time in 512-bit registers: the first of a
- * pair is kept (PAIR_KEEP) and both go together with the second (PAIR_UPDATE). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define PAIRS 1
-typedef __m512 acc_t;
-static inline __m512 join_ps(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
-static inline __m512i join_si(__m256i lo, __m256i hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-/* acc += (s * d) * dot + m * sum for groups gp and gp + 1 (`mask` bytes of x: 0 drops gp + 1) */
-#define PAIR_UPDATE(qv, sv, mv, gp, xmask, fmask)                                              \
-    for (int r = 0; r < rows; ++r) {                                                           \
-        const int64_t at = ((int64_t)r * groups + (gp)) * 8;                                   \
-        __m512i xv = _mm512_maskz_loadu_epi8(xmask, xq + (int64_t)r * K_ld + (gp) * GROUP);    \
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);                     \
-        __m512 scale = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(fmask, xd8 + at));              \
-        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);                      \
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(fmask, xs8 + at), acc[r]);          \
-    }
-#define GROUP_UPDATE(qv, sv, mv, sign)                                                         \
-    if (g & 1) {                                                                               \
-        __m512i q2 = join_si(kept_q, qv);                                                      \
-        __m512 s2 = join_ps(kept_s, sv), m2 = join_ps(kept_m, mv);                             \
-        PAIR_UPDATE(q2, s2, m2, g - 1, ~0ULL, 0xffff)                                          \
-    } else {                                                                                   \
-        kept_q = qv, kept_s = sv, kept_m = mv;                                                 \
-    }
-static inline float acc_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#else
-#define PAIRS 0
-typedef __m256 acc_t;
-/* The per-row update of one group: acc += (s * d) * dot + m * sum, for `rows` rows; `sv` and
- * `mv` hold the group's weight scale and minimum per lane (lanes 0-3: first half, 4-7: second).
- * `sign`: signed values without a minimum (Q8_0 without VNNI). */
+/* The per-row update of one group: acc += (s * d) * dot, accm += m * sum, for `rows` rows; `sv`
+ * and `mv` hold the group's weight scale and minimum per lane (lanes 0-3: first half, 4-7:
+ * second). Two accumulators per row, so that the two multiply-adds of a group do not wait on
+ * each other. `sign`: signed values without a minimum (Q8_0 without VNNI). */
 #define GROUP_UPDATE(qv, sv, mv, sign)                                                        \
     for (int r = 0; r < rows; ++r) {                                                         \
         const int64_t at = ((int64_t)r * groups + g) * 8;                                    \
@@ -321,10 +294,8 @@ typedef __m256 acc_t;
                            : dot_u8_s8(qv, xv);                                              \
         __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(xd8 + at));                         \
         acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);                    \
-        if (!sign) acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), acc[r]);          \
+        if (!sign) accm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), accm[r]);        \
     }
-static inline float acc_sum(__m256 v) { return hsum(v); }
-#endif
 
 static inline __m256 halves(float lo, float hi) {
     return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
@@ -336,12 +307,8 @@ static inline __attribute__((always_inline)) void row_avx2(int type, const uint8
     const int8_t *xq = a->q;
     const float *xd8 = a->d8, *xs8 = a->sum8;
     int groups = K / GROUP;
-    acc_t acc[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) memset(&acc[r], 0, sizeof(acc_t));
-#if PAIRS
-    __m256i kept_q = _mm256_setzero_si256();
-    __m256 kept_s = _mm256_setzero_ps(), kept_m = _mm256_setzero_ps();
-#endif
+    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     switch (type) {
     case Q4_0:
     case Q4_1:
@@ -432,14 +399,7 @@ static inline __attribute__((always_inline)) void row_avx2(int type, const uint8
         break;
     }
     }
-#if PAIRS
-    if (groups & 1) { /* the last group has no partner: its half of the pair is zero */
-        __m512i q2 = join_si(kept_q, _mm256_setzero_si256());
-        __m512 s2 = join_ps(kept_s, _mm256_setzero_ps()), m2 = join_ps(kept_m, _mm256_setzero_ps());
-        PAIR_UPDATE(q2, s2, m2, groups - 1, 0xffffffffULL, 0x00ff)
-    }
-#endif
-    for (int r = 0; r < rows; ++r) out[r] = acc_sum(acc[r]);
+    for (int r = 0; r < rows; ++r) out[r] = hsum(_mm256_add_ps(acc[r], accm[r]));
 }
 
 /* One specialised copy per row count, so that accumulators stay in registers. */
@@ -474,29 +434,36 @@ int64_t dl_row_bytes(int type, int64_t K) {
     return bb && K % bv == 0 ? K / bv * bb : 0;
 }
 
+/* Output column y[.][0] of one weight row for all M rows of x, in chunks of MAX_ROWS. */
+static void weight_row(int type, const uint8_t *w, int64_t K, const Activations *a, int64_t M,
+                       float *y, int64_t ldy) {
+    int64_t groups = K / GROUP;
+    float out[MAX_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+        Activations part = {a->q + m0 * K, a->d8 + m0 * groups * 8, a->sum8 + m0 * groups * 8};
+        row_dispatch(type, w, (int)K, &part, (int)K, rows, out);
+        for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy] = out[r];
+    }
+}
+
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N. W: N rows of `row_stride` bytes. Returns 0, or
  * -1 for an unsupported type or shape, -2 when out of memory. */
 int dl_matmul(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
               const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
     if (!dl_row_bytes(type, K) || K % GROUP) return -1;
     Activations a;
-    int64_t groups = K / GROUP;
-    if (alloc_activations(&a, M, K)) return -2;
+    if (scratch_activations(&a, M, K)) return -2;
     quantise_rows(x, ldx, (int)M, (int)K, &a);
     /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
      * only its current chunk, not a fixed half of the rows */
     int64_t chunk = N / ((int64_t)threads * 16) > 32 ? N / ((int64_t)threads * 16) : 32;
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && N >= 64)
-    for (int64_t n = 0; n < N; ++n) {
-        float out[MAX_ROWS];
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            Activations part = {a.q + m0 * K, a.d8 + m0 * groups * 8, a.sum8 + m0 * groups * 8};
-            row_dispatch(type, w + n * row_stride, (int)K, &part, (int)K, rows, out);
-            for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = out[r];
-        }
+    if (threads > 1 && N >= 64) {
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
+        for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
+    } else {
+        for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
     }
-    free_activations(&a);
     return 0;
 }
 
