@@ -24,7 +24,6 @@ from delspec.kernels import attention
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.products import (
     BLOCK_KERNELS,
-    DEQUANT_ROWS,
     FLOAT_KERNELS,
     Int8Weight,
     narrow_product,
@@ -58,21 +57,18 @@ class Linear(nn.Linear):
         return self.compute(x, kernel)
 
     def candidates(self, x: Tensor) -> tuple[str, ...]:
-        """The kernels that can compute this layer's product with `x`. Dequantising block
-        weights is a candidate for long products only: below that, the block kernel reads each
-        block once for all rows, and dequantising would read them too, then write and read
-        the weights again in float (4-8 times their bytes)."""
+        """The kernels that can compute this layer's product with `x`. Block weights have one
+        at every size: its rows are exact whatever their number, which is what makes a
+        verification of k tokens agree with k plain steps (no other kernel may take over for
+        some sizes, since a verification can be as long as a draft)."""
         if self.blocks is not None:
-            return BLOCK_KERNELS if x.numel() // x.shape[-1] > DEQUANT_ROWS else BLOCK_KERNELS[:1]
+            return BLOCK_KERNELS
         return FLOAT_KERNELS if prepackable(x, self.weight) else FLOAT_KERNELS[:2]
 
     def compute(self, x: Tensor, kernel: str | None = None) -> Tensor:
         """The product through `kernel` (one of `candidates`; None: the default)."""
         if self.blocks is not None:
-            if kernel == "dequant":
-                out = F.linear(x, self.blocks.dequantize(dtype=x.dtype))
-            else:
-                out = self.blocks(x)
+            out = self.blocks(x)
         elif kernel == "narrow":
             out = narrow_product(x, self.weight)
         elif kernel == "packed" and prepackable(x, self.weight):

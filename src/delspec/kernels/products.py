@@ -8,8 +8,9 @@ rows, so none is hard-coded: `delspec.kernel_choice` times the candidates on the
   over chunks of at most four columns, which some BLAS builds stream at a higher bandwidth than
   their matrix-vector kernel; `packed`, through a copy of the weight prepacked by oneDNN (whose
   cost barely grows with the row count; doubles the layer's float memory while kept);
-- block weights (`BLOCK_KERNELS`): the compiled GGUF block kernel (`blocks`), or `dequant`:
-  the layer's weights dequantised to float for one `F.linear` (long prefills).
+- block weights (`BLOCK_KERNELS`): the compiled GGUF block kernel only, at every size (its rows
+  are exact whatever their number; dequantising for long products measured faster at 128 rows,
+  but a verification of a long draft would then differ from plain steps).
 
 `Int8Weight` is the int8 copy of a float weight that drafts may run on.
 """
@@ -24,10 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 FLOAT_KERNELS = ("linear", "narrow", "packed")
-BLOCK_KERNELS = ("blocks", "dequant")
+BLOCK_KERNELS = ("blocks",)
 # A product of r rows uses the kernel chosen for the first bucket >= r (the last one for more).
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 128)
-DEQUANT_ROWS = 20  # block weights are dequantised for a product only above this many rows
 _NARROW_COLUMNS = 4
 
 
