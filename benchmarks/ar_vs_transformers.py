@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    lm = load_model("default")
+    lm = load_model("default", weights="float")  # the same float32 weights as transformers
     hf = AutoModelForCausalLM.from_pretrained(
         converted_checkpoint(default_model_path()), dtype=torch.float32
     ).eval()

@@ -1,0 +1,98 @@
+"""Where the milliseconds of one decode step go: each part of a layer timed alone, summed over
+the layers, beside the whole step (one token, and a verification of 8).
+
+    python benchmarks/step_profile.py [--model default] [--weights native] [--threads 2]
+
+Prints a Markdown table naming the CPU. Parts are timed in a loop over every layer (weights
+streaming from memory as in a step); "rest of the step" is the whole step minus the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from delspec import load_model
+from delspec.kernels.build import cpu_name
+
+
+def seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `run()` after two untimed runs."""
+    run(), run()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
+
+
+def profile(lm, rows: int, position: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per step of each part, for a step of `rows` tokens at `position`."""
+    model = lm.model
+    cfg = model.config
+    layers = model.layers
+    x = torch.randn(rows, cfg.hidden_size)
+    ids = torch.full((rows,), 5)
+    attn_in = torch.randn(rows, cfg.num_heads * cfg.head_dim)
+    mlp_in = torch.randn(rows, cfg.intermediate_size)
+    cos, sin = (t[position : position + rows] for t in model._rope[False])
+    mask = model._mask(position, rows, None)
+
+    def attention_only(block):  # the attention module less its two projections
+        return block.attn(x, position, model.cache[0], cos, sin, mask)
+
+    parts = {
+        "embedding lookup": lambda: model.embed(ids),
+        "norms": lambda: [b.attn_norm(x) for b in layers] + [b.mlp_norm(x) for b in layers],
+        "q/k/v projection": lambda: [b.attn.qkv(x) for b in layers],
+        "attention (RoPE, cache, scores)": lambda: [attention_only(b) for b in layers],
+        "output projection": lambda: [b.attn.o(attn_in) for b in layers],
+        "gate/up projection": lambda: [b.mlp.gate_up(x) for b in layers],
+        "activation": lambda: [F.silu(mlp_in) * mlp_in for _ in layers],
+        "down projection": lambda: [b.mlp.down(mlp_in) for b in layers],
+        "LM head (final norm + head)": lambda: model.head(x),
+    }
+    times = {name: seconds(run, repeats) * 1e3 for name, run in parts.items()}
+    # the attention module ran both its projections too: count them once
+    times["attention (RoPE, cache, scores)"] -= (
+        times["q/k/v projection"] + times["output projection"]
+    )
+    step = seconds(
+        lambda: model.head(model.run_layers(model.embed(ids), position, 0, len(layers))), repeats
+    )
+    times["rest of the step (residuals, Python)"] = step * 1e3 - sum(times.values())
+    times["whole step"] = step * 1e3
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--weights", default="native")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--position", type=int, default=128, help="tokens already in the cache")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model, weights=args.weights)
+    lm.model.setup_cache(args.position + 16)
+    with torch.inference_mode():
+        one = profile(lm, 1, args.position, args.repeats)
+        eight = profile(lm, 8, args.position, args.repeats)
+    print(
+        f"{lm.name}, weights {lm.model.weights}, {cpu_name()}, {args.threads} threads, "
+        f"{args.position} tokens in the cache; ms per step\n"
+    )
+    print("| part | 1 token | 8 tokens (a verification) |\n|---|---|---|")
+    for name in one:
+        bold = "**" if name == "whole step" else ""
+        print(f"| {bold}{name}{bold} | {one[name]:.2f} | {eight[name]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
