@@ -10,25 +10,19 @@ streaming from memory as in a step); "rest of the step" is the whole step minus 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from delspec import load_model
+from delspec.kernel_choice import median_seconds
 from delspec.kernels.build import cpu_name
 
 
 def seconds(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `run()` after two untimed runs."""
-    run(), run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+    """Median wall time of `run()` (the kernel chooser's timer)."""
+    return median_seconds("part", run, repeats)
 
 
 def profile(lm, rows: int, position: int, repeats: int) -> dict[str, float]:
