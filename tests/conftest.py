@@ -18,3 +18,9 @@ def smollm2() -> LoadedModel:
     Uses the user's delspec cache, so the GGUF conversion happens once, not on every run.
     """
     return load_model("default")
+
+
+@pytest.fixture(scope="session")
+def smollm2_float() -> LoadedModel:
+    """The embedded SmolLM2 dequantised to float32: the conversion's numerical reference."""
+    return load_model("default", weights="float")

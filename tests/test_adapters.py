@@ -24,11 +24,12 @@ from delspec.adapters import (
 )
 from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
+from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.generate import decode_tokens, generate
+from delspec.generate import decode_tokens
 from delspec.loading import LoadedModel
-from delspec.policies import STRATEGIES, default_draft_vocab, make_policy
+from delspec.policies import STRATEGIES, make_policy
 from delspec.sampling import Sampling
 
 OPTIONS = {
@@ -41,6 +42,8 @@ OPTIONS = {
 }
 DRAFTING = sorted(set(STRATEGIES) - {"ar"})
 VOCAB = 64
+# adapters "auto", the full vocabulary, exact drafts
+ADAPTED = DecodeConfig().updated(draft_vocab=None, int8_draft=False)
 
 
 def sequences(count: int = 18, length: int = 48) -> list[list[int]]:
@@ -330,13 +333,13 @@ def test_draft_head_finds_the_sidecar_next_to_the_model(model, adapters, tmp_pat
     directory.mkdir()
     lm = fake_lm(model, directory)
     assert default_adapters_path(lm) == tmp_path / "tiny-model.adapters.safetensors"
-    assert type(draft_head(lm)) is ExitHead  # nothing to apply
+    assert type(draft_head(lm, ADAPTED)) is ExitHead  # nothing to apply
     save_adapters(adapters, default_adapters_path(lm))
-    head = draft_head(lm)
+    head = draft_head(lm, ADAPTED)
     assert isinstance(head, DraftHead) and head.adapted == set(adapters.layers)
-    assert draft_head(lm) is head  # cached
-    assert type(draft_head(lm, adapters=None)) is ExitHead
-    pruned = draft_head(lm, draft_vocab=10)
+    assert draft_head(lm, ADAPTED) is head  # cached
+    assert type(draft_head(lm, ADAPTED.updated(adapters="none"))) is ExitHead
+    pruned = draft_head(lm, ADAPTED.updated(draft_vocab=10))
     assert pruned.vocab.tolist() == sorted(adapters.ranking[:10].tolist())
     gguf_lm = fake_lm(model, tmp_path / "m.gguf")
     assert default_adapters_path(gguf_lm) == tmp_path / "m.adapters.safetensors"
@@ -346,7 +349,7 @@ def test_draft_head_refuses_a_mismatched_file(adapters, tmp_path):
     path = save_adapters(adapters, tmp_path / "a.safetensors")
     lm = fake_lm(tiny_model(seed=5), tmp_path)
     with pytest.raises(ModelFormatError, match="not this model"):
-        draft_head(lm, adapters=path)
+        draft_head(lm, ADAPTED.updated(adapters=path))
 
 
 def test_fallback_ranking_uses_gguf_scores(tmp_path):
@@ -392,16 +395,9 @@ def test_cli_calibrates_and_generate_finds_the_file(tmp_path, capsys):
     assert outputs[0] == outputs[1]
 
 
-def test_generate_takes_an_exit_head_or_the_options_that_build_one(model, tmp_path):
-    lm = fake_lm(model, tmp_path / "tiny.gguf")
-    for options in ({"int8_draft": True}, {"draft_vocab": 8}, {"context_vocab": False}):
-        with pytest.raises(ConfigError, match="not both"):
-            generate(lm, [1, 2, 3], exit_head=ExitHead(model), **options)
-
-
 def test_auto_draft_options_follow_the_strategy(model, tmp_path):
     lm = fake_lm(model, tmp_path / "no-sidecar")
-    fast = draft_head(lm, None, "auto", True, "auto", "del-fast")
+    fast = draft_head(lm, DecodeConfig().updated(adapters=None))
     assert fast.int8 and fast.vocab is None  # 64 tokens: too few to prune
-    paper = draft_head(lm, None, "auto", True, "auto", "del")
+    paper = draft_head(lm, DecodeConfig("del").updated(adapters=None))
     assert not paper.int8 and paper.vocab is None

@@ -301,19 +301,16 @@ def test_parse_methods():
         "static:E=8,d=4",
         "static-sweep:E=2/4,calibration=3",
     ]
+    paper = {"preset": "paper"}  # the paper's methods draft with a plain exit head
     assert [dict(m.options) for m in methods] == [
-        {},
-        {"omega": 0.9},
-        {"exit_layer": 8, "draft_length": 4},
-        {"exit_layer": [2, 4], "calibration": 3},
+        paper,
+        {**paper, "omega": 0.9},
+        {**paper, "exit_layer": 8, "draft_length": 4},
+        {**paper, "exit_layer": [2, 4], "calibration": 3},
     ]
     assert methods[3].spec.sweep and methods[0].name == "ar"
     (path,) = parse_methods("ar,del-fast:adapters=/tmp/a/x.safetensors,draft_vocab=8")[1:]
-    assert dict(path.options) == {
-        "adapters": "/tmp/a/x.safetensors",
-        "draft_vocab": 8,
-        "int8_draft": "auto",
-    }
+    assert dict(path.options) == {"adapters": "/tmp/a/x.safetensors", "draft_vocab": 8}
     with pytest.raises(ConfigError, match="comes before any method"):
         parse_methods("E=3,del")
 

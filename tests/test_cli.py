@@ -7,7 +7,7 @@ import json
 import pytest
 
 from delspec.cli import main
-from delspec.policies import DEFAULT_STRATEGY
+from delspec.decode_config import DEFAULT_STRATEGY
 
 
 def test_generate_json_and_trace(smollm2, tmp_path, capsys):

@@ -210,7 +210,7 @@ def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
         ("del", dict(min_evidence=-1), "min_evidence must be >= 0"),
         ("dv", dict(exit_layer=2, threshold=1.5), "threshold must be in"),
         ("nope", dict(), "unknown strategy 'nope'"),
-        ("static", dict(bogus=1), "unexpected keyword argument 'bogus'"),
+        ("static", dict(bogus=1), "strategy 'static' has no option 'bogus'"),
     ],
 )
 def test_bad_strategy_parameters(strategy, options, message):

@@ -480,28 +480,48 @@ def test_smollm2(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers(smollm2):
+def test_smollm2_matches_transformers(smollm2_float):
     checkpoint = converted_checkpoint(default_model_path())
     reference = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    text = smollm2.apply_chat_template([{"role": "user", "content": "Name a colour."}])
-    assert_same_logits(smollm2, reference, text, 1e-4)
+    text = smollm2_float.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    assert_same_logits(smollm2_float, reference, text, 1e-4)
 
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_smollm2_answers(smollm2):
+def test_native_weights_track_the_float_reference(smollm2, smollm2_float):
+    """Products on the file's blocks with 8-bit activations stay close to the dequantised model:
+    the same top token almost everywhere and a small divergence of the next-token distribution."""
+    text = smollm2.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    text += "Blue is the colour of the sky and the sea; many people say it is their favourite."
+    ids = torch.tensor(smollm2.tokenizer(text)["input_ids"])
+    logits = {}
+    for name, loaded in (("native", smollm2), ("float", smollm2_float)):
+        loaded.model.setup_cache(len(ids))
+        logits[name] = torch.log_softmax(loaded.model(ids).double(), -1)
+    native, reference = logits["native"], logits["float"]
+    agreement = (native.argmax(-1) == reference.argmax(-1)).double().mean()
+    kl = (reference.exp() * (reference - native)).sum(-1)
+    assert agreement >= 0.9, float(agreement)
+    assert kl.mean() < 0.05 and kl.max() < 0.5, (float(kl.mean()), float(kl.max()))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("weights", ["native", "float"])
+def test_smollm2_answers(weights, request):
     """A correct conversion (e.g. of llama.cpp's query/key row order) gives a sensible answer."""
-    prompt = smollm2.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
-    ids = smollm2.tokenizer(prompt)["input_ids"]
-    model = smollm2.model
+    loaded = request.getfixturevalue("smollm2" if weights == "native" else "smollm2_float")
+    question = "What is the capital of France? Answer in one sentence."
+    prompt = loaded.apply_chat_template([{"role": "user", "content": question}])
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    model = loaded.model
     model.setup_cache(len(ids) + 8)
     logits, answer = model(torch.tensor(ids)), []
     for position in range(len(ids), len(ids) + 8):
         answer.append(int(logits[-1].argmax()))
         logits = model(torch.tensor(answer[-1:]), start=position)
-    assert "Paris" in smollm2.tokenizer.decode(answer)
+    assert "Paris" in loaded.tokenizer.decode(answer)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.adapters import DraftHead
+from delspec.decode_config import StaticOptions
 from delspec.engine import ExitHead, Round
 from delspec.generate import decode_tokens
 from delspec.policies import STRATEGIES, Plan, make_policy
@@ -28,7 +29,7 @@ class AtLevel(Static):
     """Static drafting from one of the exit head's draft vocabularies (levels)."""
 
     def __init__(self, num_layers: int, level: int, **options) -> None:
-        super().__init__(num_layers, **options)
+        super().__init__(num_layers, StaticOptions(**options))
         self.level = level
 
     def plan(self) -> Plan:

@@ -10,6 +10,7 @@ from tiny_models import tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from delspec.architectures import config_from_hf
+from delspec.decode_config import default_int8_draft
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
 from delspec.kernels.products import (
@@ -20,7 +21,6 @@ from delspec.kernels.products import (
     narrow_product,
 )
 from delspec.model import Linear, build_model
-from delspec.policies import default_int8_draft
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",

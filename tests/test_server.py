@@ -19,9 +19,10 @@ import uvicorn
 from fastapi import FastAPI
 from tiny_models import tiny_model
 
+from delspec.decode_config import DEFAULT_STRATEGY, DecodeConfig
 from delspec.generate import generate
 from delspec.loading import LoadedModel
-from delspec.policies import DEFAULT_STRATEGY
+from delspec.sampling import Sampling
 from delspec.server import create_app
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
@@ -185,7 +186,7 @@ def test_stop_strings_and_sampling_options(tiny_url: str, reference: LoadedModel
     cut = generate(reference, prompt, strategy="ar", max_new_tokens=12, stop=[stop])
     assert cut.finish_reason == "stop" and stop not in cut.text
     options = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
-    sampled = generate(reference, prompt, max_new_tokens=12, **options)
+    sampled = generate(reference, prompt, sampling=Sampling(**options), max_new_tokens=12)
     for stream in (False, True):
         body = {"prompt": prompt, "max_tokens": 12, "stream": stream}
         greedy = {**body, "temperature": 0, "stop": stop}
@@ -267,6 +268,32 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (TEXT, {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     (TEXT, {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
     (TEXT, {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
+    (TEXT, {"prompt": "hi", "delspec": "fast"}, 400, "delspec", "dictionary"),
+    (TEXT, {"prompt": "hi", "delspec": {"strategy": "nope"}}, 400, "delspec", "unknown strategy"),
+    (TEXT, {"prompt": "hi", "delspec": {"preset": "nope"}}, 400, "delspec", "unknown preset"),
+    (TEXT, {"prompt": "hi", "delspec": {"exit_layer": 2}}, 400, "delspec", "'exit_layer'"),
+    (TEXT, {"prompt": "hi", "delspec": {"strategy": "del", "omega": 2}}, 400, "delspec", "omega"),
+    (
+        TEXT,
+        {"prompt": "hi", "delspec": {"strategy": "static", "exit_layer": 9}},
+        400,
+        "delspec",
+        "exit layer must be in 1..4",
+    ),
+    (
+        TEXT,
+        {"prompt": "hi", "delspec": {"strategy": "static", "exit_layer": "2"}},
+        400,
+        "delspec",
+        "exit_layer must be an integer",
+    ),
+    (
+        TEXT,
+        {"prompt": "hi", "delspec": {"adapters": "/etc/hosts"}},
+        400,
+        "delspec.adapters",
+        "chosen when the server starts",
+    ),
 ]
 
 
@@ -284,6 +311,30 @@ def test_bad_requests_get_openai_errors(
     assert error["type"] == "invalid_request_error"
     ok = httpx.post(tiny_url + TEXT, json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_requests_choose_their_decoding_over_the_servers(smollm2: LoadedModel) -> None:
+    """`delspec serve --strategy static --exit-layer 2`; a request's `delspec` object updates
+    that config (same strategy: its options stay) or replaces it (a preset, another strategy)."""
+    body = {"prompt": "Hello there", "max_tokens": 10, "temperature": 0}
+    expected = generate(tiny_lm(smollm2), body["prompt"], strategy="ar", max_new_tokens=10)
+    config = DecodeConfig("static").updated(exit_layer=2)
+    with running(create_app(tiny_lm(smollm2), config=config)) as url:
+        for delspec, strategy, exit_layer in [
+            (None, "static", 2),
+            ({"draft_length": 2}, "static", 2),
+            ({"strategy": "static"}, "static", 2),
+            ({"strategy": "static", "exit_layer": 3}, "static", 3),
+            ({"preset": "paper"}, "del", None),
+            ({"strategy": "ar"}, "ar", 0),
+        ]:
+            request = body if delspec is None else {**body, "delspec": delspec}
+            reply = httpx.post(url + TEXT, json=request, timeout=TIMEOUT).json()
+            assert reply["choices"][0]["text"] == expected.text, delspec
+            stats = reply["delspec"]
+            assert stats["strategy"] == strategy, delspec
+            if exit_layer is not None:
+                assert stats["mean_exit_layer"] == exit_layer, delspec
 
 
 def test_unknown_routes_get_openai_errors(tiny_url: str) -> None:

@@ -29,12 +29,12 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor
 
 from delspec.cache import cache_dir, write_atomically
+from delspec.decode_config import DecodeConfig, default_draft_vocab, default_int8_draft
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.products import Int8Weight
 from delspec.loading import NAMED_MODELS, LoadedModel, named_model_path
 from delspec.model import Transformer
-from delspec.policies import DEFAULT_STRATEGY, default_draft_vocab, default_int8_draft
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"
@@ -74,9 +74,6 @@ class ExitAdapters:
     @property
     def rank(self) -> int:
         return self.down.shape[1]
-
-
-AdapterSource = str | os.PathLike | ExitAdapters | None
 
 
 def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
@@ -402,35 +399,28 @@ class DraftHead(ExitHead):
         return self._stack[1], self._stack[2]
 
 
-DraftVocab = int | Sequence[int | None] | str | None
+def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
+    """The exit head `config` drafts with (`config.draft`, see `DraftConfig`).
 
-
-def draft_head(
-    lm: LoadedModel,
-    adapters: AdapterSource = "auto",
-    draft_vocab: DraftVocab = None,
-    context_vocab: bool = True,
-    int8: bool | str = False,
-    strategy: str = DEFAULT_STRATEGY,
-) -> ExitHead:
-    """The exit head `generate` drafts with.
-
-    `adapters`: "auto" (the model's sidecar file if there is one, see `default_adapters_path`),
-    a file, an `ExitAdapters`, or None. `draft_vocab=K` keeps the K highest-ranked tokens (the
-    adapters file's ranking, else `fallback_ranking`), plus each sequence's own tokens with
-    `context_vocab`; a list of sizes (None or the vocabulary size: the full vocabulary) gives
-    one draft vocabulary per size, for a cost-aware policy to choose from per round. `int8`
-    drafts on int8 weights (`ExitHead`). `draft_vocab` and `int8` may be "auto": what `strategy`
-    drafts with by default (`default_draft_vocab`, `default_int8_draft`). Without adapters or a
-    draft vocabulary, the plain `ExitHead`. Heads built from files are cached (keyed by the
-    file's path, size and modification time).
+    Adapters "auto" are the model's sidecar file if there is one (see `default_adapters_path`).
+    A draft vocabulary of K keeps the K highest-ranked tokens (the adapters file's ranking, else
+    `fallback_ranking`), plus each sequence's own tokens with `context_vocab`; a list of sizes
+    gives one draft vocabulary per size, for a cost-aware policy to choose from per round.
+    "auto" draft vocabularies and int8 drafts are what `config.strategy` drafts with by default
+    (`default_draft_vocab`, `default_int8_draft`). Without adapters or a draft vocabulary, the
+    plain `ExitHead`. Heads built from files are cached (keyed by the file's path, size and
+    modification time).
     """
+    draft, strategy = config.draft, config.strategy
     vocab_size = lm.model.config.vocab_size
+    draft_vocab = draft.draft_vocab
     if draft_vocab == "auto":
         draft_vocab = default_draft_vocab(strategy, vocab_size)
     sizes = vocabulary_sizes(draft_vocab, vocab_size)
+    int8 = draft.int8_draft
     if int8 == "auto":
         int8 = default_int8_draft(strategy, lm.model.device)
+    adapters, context_vocab = draft.adapters, draft.context_vocab
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
         return DraftHead(lm.model, adapters, _levels(adapters.ranking, sizes), context_vocab, int8)

@@ -78,10 +78,11 @@ class ModelConfig:
         return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
 
-def _eos_ids(raw: Any) -> tuple[int, ...]:
+def token_ids(raw: int | list[int] | None) -> tuple[int, ...]:
+    """A config's token id field (one id, a list, or none) as a tuple."""
     if raw is None:
         return ()
-    return tuple(raw) if isinstance(raw, list | tuple) else (int(raw),)
+    return tuple(int(i) for i in raw) if isinstance(raw, list | tuple) else (int(raw),)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -150,7 +151,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             rope_local_theta=float(rope_local_theta) if rope_local_theta else None,
             attn_scale=float(query_scale) ** -0.5 if query_scale else None,
             final_logit_softcap=hf.get("final_logit_softcapping"),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            eos_token_ids=token_ids(hf.get("eos_token_id")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFormatError(f"config.json is missing or has a bad value for {exc}") from exc

@@ -39,6 +39,7 @@ from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.model import Transformer
+from delspec.sampling import Sampling
 
 Prompt = tuple[str, bool]  # (text, whether to send it through the chat template)
 TEACHER_TOP = 64  # final-layer tokens kept per position as the distillation target
@@ -213,10 +214,9 @@ def _continuations(
         result = generate(
             lm,
             ids,
-            strategy="ar",
+            sampling=Sampling(temperature, seed=seed + i),
             max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed + i,
+            strategy="ar",
             adapters=None,  # a stale sidecar must not stop its own recalibration
         )
         sequences.append(ids + result.token_ids)

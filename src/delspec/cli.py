@@ -8,11 +8,24 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from delspec.errors import DelspecError
 
+if TYPE_CHECKING:
+    from delspec.decode_config import DecodeConfig
+
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
+# flags of `_decode_arguments` that are `DecodeConfig` options of the same name
+DECODE_FLAGS = (
+    "strategy",
+    "exit_layer",
+    "draft_length",
+    "adapters",
+    "draft_vocab",
+    "context_vocab",
+    "int8_draft",
+)
 
 
 def _model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -39,24 +52,65 @@ def _model_arguments(parser: argparse.ArgumentParser, positional: bool = False) 
     )
 
 
-def _strategy_arguments(parser: argparse.ArgumentParser) -> None:
-    from delspec.policies import DEFAULT_STRATEGY, STRATEGIES
+def _decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `DecodeConfig` flags: a preset, then the strategy and options that override it."""
+    from delspec.decode_config import DEFAULT_STRATEGY, PRESETS, STRATEGIES
 
     parser.add_argument(
+        "--preset",
+        default="fast",
+        choices=list(PRESETS),
+        help="decoding configuration the other flags start from: fast (default: del-fast with "
+        "adapters, pruned draft vocabularies and int8 drafts where they apply) or paper (the "
+        "paper's DEL exactly)",
+    )
+    parser.add_argument(
         "--strategy",
-        default=DEFAULT_STRATEGY,
         choices=sorted(STRATEGIES),
-        help=f"decoding strategy (default: {DEFAULT_STRATEGY}; del = the paper's DEL)",
+        help=f"decoding strategy (default: the preset's; {DEFAULT_STRATEGY} for fast, del for "
+        "paper, the paper's DEL)",
     )
     parser.add_argument("--exit-layer", type=int, help="exit layer E (static, fs, dv)")
     parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any other strategy or draft option, e.g. omega=0.9 or candidates=4/8/12 "
+        "(repeatable; values as in bench method strings)",
+    )
+    parser.add_argument(
+        "--adapters",
+        help="exit adapters file from `delspec calibrate`; 'auto' (default): the model's own "
+        "if it has one; 'none'",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        help="draft with only the K most frequent tokens' LM head rows; several sizes "
+        "(e.g. 16384,65536,full) for del-fast to choose from per round; 'full'; 'auto' "
+        "(default) for del-fast on large vocabularies: 16384, up to two doublings within half "
+        "the vocabulary, and full",
+    )
+    parser.add_argument(
+        "--no-context-vocab",
+        action="store_false",
+        dest="context_vocab",
+        default=None,
+        help="do not add the prompt's and reply's own tokens to a pruned draft vocabulary",
+    )
+    parser.add_argument(
+        "--int8-draft",
+        type=_switch,
+        help="draft on int8 copies of the weights: on, off, or 'auto' (default): on for del-fast",
+    )
 
 
-def _draft_vocab(text: str) -> list[int | None] | str | None:
+def _draft_vocab(text: str) -> list[int | str] | str:
     if text in ("auto", "full"):
-        return None if text == "full" else text
+        return text
     try:
-        return [None if k == "full" else int(k) for k in text.split(",")]
+        return [k if k == "full" else int(k) for k in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number, numbers and 'full' separated by commas, 'auto' or 'full', "
@@ -71,10 +125,15 @@ def _switch(text: str) -> bool | str:
     return choices[text]
 
 
-def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The strategy keyword arguments given on the command line."""
-    options = {"exit_layer": args.exit_layer, "draft_length": args.draft_length}
-    return {k: v for k, v in options.items() if v is not None}
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """The `DecodeConfig` of the command line: `--preset`, updated with the flags given."""
+    from delspec.decode_config import PRESETS, parse_option
+
+    options = dict(parse_option(pair) for pair in args.option or ())
+    for name in DECODE_FLAGS:
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return PRESETS[args.preset].updated(**options)
 
 
 def load(args: argparse.Namespace):
@@ -91,7 +150,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from delspec.generate import generate
+    from delspec.sampling import Sampling
 
+    config = decode_config(args)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     lm = load(args)
     console = Console(highlight=False, soft_wrap=True)
@@ -103,21 +165,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate(
         lm,
         prompt,
-        strategy=args.strategy,
+        config,
+        sampling=sampling,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
         stop=args.stop or (),
         chat=args.chat,
         on_text=None if args.json else show,
         trace=args.trace is not None,
-        adapters=None if args.adapters == "none" else args.adapters,
-        draft_vocab=args.draft_vocab,
-        context_vocab=not args.no_context_vocab,
-        int8_draft=args.int8_draft,
-        **strategy_options(args),
     )
     if args.trace is not None:
         with open(args.trace, "w") as f:
@@ -182,13 +236,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from delspec.server import serve
 
+    config = decode_config(args)
     lm = load(args)
     serve(
         lm,
         host=args.host,
         port=args.port,
-        strategy=args.strategy,
-        strategy_options=strategy_options(args),
+        config=config,
         max_queue=args.max_queue,
         request_timeout=args.timeout,
     )
@@ -288,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text (streams to the terminal)")
     gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
     _model_arguments(gen)
-    _strategy_arguments(gen)
+    _decode_arguments(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -298,32 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
-    gen.add_argument(
-        "--adapters",
-        default="auto",
-        help="exit adapters file from `delspec calibrate`; 'auto' (default): the model's own "
-        "if it has one; 'none'",
-    )
-    gen.add_argument(
-        "--draft-vocab",
-        type=_draft_vocab,
-        default="auto",
-        help="draft with only the K most frequent tokens' LM head rows; several sizes "
-        "(e.g. 16384,65536,full) for del-fast to choose from per round; 'full'; 'auto' "
-        "(default) for del-fast on large vocabularies: 16384, up to two doublings within half "
-        "the vocabulary, and full",
-    )
-    gen.add_argument(
-        "--no-context-vocab",
-        action="store_true",
-        help="do not add the prompt's and reply's own tokens to a pruned draft vocabulary",
-    )
-    gen.add_argument(
-        "--int8-draft",
-        type=_switch,
-        default="auto",
-        help="draft on int8 copies of the weights: on, off, or 'auto' (default): on for del-fast",
-    )
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="describe a model")
@@ -333,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _model_arguments(srv)
-    _strategy_arguments(srv)
+    _decode_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")

@@ -28,8 +28,6 @@ PROFILE_VERSION = 8
 class LayerCost:
     """The paper's cost: layer loads per round, d*l (drafting) + L (verification)."""
 
-    name = "layers"
-
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
 
@@ -71,8 +69,6 @@ class MeasuredCost:
     full head; after int8 drafts, d + 1 positions through every layer and the full head. d = 0
     is a plain step: L * layer(1) + head(1).
     """
-
-    name = "measured"
 
     def __init__(self, profile: CostProfile, num_layers: int) -> None:
         self.profile = profile

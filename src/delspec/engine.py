@@ -174,7 +174,7 @@ class Engine:
         self,
         exit_layer: int,
         draft_cap: int,
-        keep_drafting: Callable[[int, float], bool],
+        keep_drafting: Callable[[float], bool],
         collect: bool = False,
         level: int = 0,
     ) -> Round:
@@ -204,11 +204,7 @@ class Engine:
             token, confidence = self._draft_token(h, exit_layer, level, draft_probs)
             drafted.append(token)
             confidences.append(confidence)
-            if (
-                token in self.eos
-                or step + 1 == draft_cap
-                or not keep_drafting(step + 1, confidence)
-            ):
+            if token in self.eos or step + 1 == draft_cap or not keep_drafting(confidence):
                 break
         t1 = time.perf_counter()
 

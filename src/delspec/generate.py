@@ -6,17 +6,17 @@ templates, streaming text, and stop strings on top of it.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from delspec.adapters import DraftVocab, ExitAdapters, draft_head
+from delspec.adapters import draft_head
+from delspec.decode_config import DecodeConfig
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
-from delspec.policies import DEFAULT_STRATEGY, Policy, make_policy
+from delspec.policies import Policy, make_policy
 from delspec.sampling import Sampling
 from delspec.timing import synchronize
 
@@ -287,54 +287,31 @@ def encode_prompt(
 def generate(
     lm: LoadedModel,
     prompt: str | Sequence[int] | Sequence[dict[str, str]],
+    config: DecodeConfig | None = None,
     *,
-    strategy: str | Policy = DEFAULT_STRATEGY,
+    sampling: Sampling | None = None,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
     stop: Sequence[str] = (),
     chat: bool = False,
     on_text: OnText | None = None,
     should_stop: Callable[[], bool] | None = None,
     trace: bool = False,
-    exit_head: ExitHead | None = None,
-    adapters: str | os.PathLike | ExitAdapters | None = "auto",
-    draft_vocab: DraftVocab = "auto",
-    context_vocab: bool = True,
-    int8_draft: bool | str = "auto",
-    **strategy_options: Any,
+    **options: Any,
 ) -> Result:
-    """Generate a continuation of `prompt` with a decoding strategy (`del-fast` by default).
+    """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
+    `del-fast`), greedy unless `sampling` says otherwise.
 
     `prompt` is text, token ids, or a chat conversation (a list of `{"role", "content"}`);
     `chat=True` wraps text as one user message. `on_text(piece, kind)` receives the final text
     as it is produced, `kind` being "draft" for accepted draft tokens and "target" for tokens
     the full model supplied. `should_stop()` is polled after every round (e.g. a client
-    disconnected). Extra keyword arguments configure the strategy (e.g. `exit_layer=4`).
-
-    Drafts use exit adapters (`adapters`: "auto" = the model's calibration file if it has one,
-    a file, an `ExitAdapters`, or None) and a draft vocabulary of the `draft_vocab` most
-    frequent tokens, or a list of sizes that `del-fast` chooses from per round (see
-    `delspec.adapters.draft_head`; "auto" = `default_draft_vocab`: 16k, 32k, 64k or all tokens
-    for `del-fast` on large vocabularies, else the full vocabulary), widened by the prompt's and
-    reply's own tokens (`context_vocab`), and run on int8 copies of the weights
-    (`int8_draft`; "auto" = for `del-fast`), unless `exit_head` is given. None of them changes
-    the output.
+    disconnected). Keyword `options` update the config (`DecodeConfig.updated`), e.g.
+    `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
+    config: greedy output is the model's own greedy output.
     """
-    head_options = (adapters, draft_vocab, context_vocab, int8_draft)
-    if exit_head is not None and head_options != ("auto", "auto", True, "auto"):
-        raise ConfigError(
-            "pass either exit_head or adapters/draft_vocab/context_vocab/int8_draft, not both"
-        )
+    config = (config or DecodeConfig()).updated(**options)
     prompt_ids = encode_prompt(lm, prompt, chat)
-    sampling = Sampling(temperature, top_k, top_p, seed)
-    policy = (
-        strategy
-        if isinstance(strategy, Policy)
-        else make_policy(strategy, lm.model.num_layers, **strategy_options)
-    )
+    policy = make_policy(config, lm.model.num_layers)
     stream = TextStream(lm.tokenizer, prompt_ids, stop)
 
     def on_round(tokens: list[int], accepted: int) -> bool:
@@ -351,8 +328,7 @@ def generate(
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         eos_token_ids=lm.eos_token_ids,
-        exit_head=exit_head
-        or draft_head(lm, adapters, draft_vocab, context_vocab, int8_draft, policy.name),
+        exit_head=draft_head(lm, config),
         on_round=on_round,
         trace=trace,
     )

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
-from delspec.kernels import attention
+from delspec.kernels import attention, layer_ops
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.products import (
     BLOCK_KERNELS,
@@ -116,6 +116,8 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
+        if layer_ops.available(x):  # one compiled call (torch's rms_norm is several ops)
+            return layer_ops.rms_norm(x, self.weight, self.eps, self.offset)
         if x.dtype in (torch.float32, torch.float64):  # one fused kernel, the same arithmetic
             scale = self.weight + self.offset if self.offset else self.weight
             return F.rms_norm(x, scale.shape, scale, self.eps)
@@ -196,22 +198,26 @@ class Attention(nn.Module):
         mask: Tensor | None,
         int8: bool = False,
     ) -> Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x, int8).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n, end = x.shape[0], start + x.shape[0]
+        qkv = self.qkv(x, int8)
+        if attention.available(qkv, self.head_dim):
+            norms = None
+            if self.q_norm is not None:
+                q_norm, k_norm = self.q_norm, self.k_norm
+                norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+            out = attention.fused_attention(
+                qkv, cos, sin, cache, start, self.num_heads, self.window, self.scale, norms
+            )
+            return self.o(out, int8)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim).transpose(0, 1)
         k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = start + n
         cache[0, :, start:end] = k
         cache[1, :, start:end] = v
-        if attention.available(q):
-            out = attention.row_exact_attention(
-                q, cache[0], cache[1], start, self.window, self.scale
-            )
-            return self.o(out.transpose(0, 1).reshape(n, -1), int8)
         keys, values = cache[0, :, :end], cache[1, :, :end]
         # Grouped-query attention without copying keys: fold each group's heads into rows.
         group = self.num_heads // self.num_kv_heads
@@ -234,7 +240,10 @@ class MLP(nn.Module):
         self.gelu = config.spec.activation == "gelu_tanh"
 
     def forward(self, x: Tensor, int8: bool = False) -> Tensor:
-        gate, up = self.gate_up(x, int8).chunk(2, dim=-1)
+        gate_up = self.gate_up(x, int8)
+        if layer_ops.available(gate_up):
+            return self.down(layer_ops.gated(gate_up, self.gelu), int8)
+        gate, up = gate_up.chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down(gate * up, int8)
 

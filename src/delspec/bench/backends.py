@@ -24,10 +24,13 @@ from typing import Any, Protocol
 import torch
 
 from delspec.adapters import draft_head
+from delspec.bench.methods import method_config
+from delspec.decode_config import strategy_options
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
 from delspec.loading import LoadedModel, converted_checkpoint, load_model
 from delspec.policies import make_policy
+from delspec.policies.fixed import Static
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
 # llama-cpp-python compiles llama.cpp on install. Its default build (-march=native, AMX when the
@@ -104,22 +107,15 @@ class DelspecBackend:
         return self.models[weights]
 
     def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
-        options = dict(options)
-        lm = self.model_in(options.pop("weights", None))
+        """`strategy` with `options` (`delspec.bench.methods.method_config`)."""
+        config, weights = method_config(strategy, options)
+        lm = self.model_in(weights)
         model, eos = lm.model, lm.eos_token_ids
-        # Exit-head options: adapters ("auto", a file or "none"), a pruned draft vocabulary
-        # (a size, or "auto" as in `generate`; with the context's tokens unless
-        # `context_vocab=false`), and int8 drafts (true, false, or "auto" as in `generate`).
-        adapters = options.pop("adapters", "none")
-        draft_vocab = options.pop("draft_vocab", None)
-        context_vocab = options.pop("context_vocab", True)
-        int8 = options.pop("int8_draft", False)
-        adapters = None if adapters == "none" else adapters
-        exit_head = draft_head(lm, adapters, draft_vocab, context_vocab, int8, strategy)
-        make_policy(strategy, model.num_layers, **options)  # reject bad options now
+        make_policy(config, model.num_layers)  # reject bad options now
+        exit_head = draft_head(lm, config)
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
-            policy = make_policy(strategy, model.num_layers, **options)
+            policy = make_policy(config, model.num_layers)
             decoded = decode_tokens(
                 model,
                 prompt_ids,
@@ -303,7 +299,7 @@ BACKENDS: dict[str, Callable[[LoadedModel], Backend]] = {
 def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, int]:
     """(E, d) from `options` (`exit_layer`, `draft_length`), with the `static` strategy's
     defaults and checks."""
-    policy = make_policy("static", lm.model.num_layers, **options)
+    policy = Static(lm.model.num_layers, strategy_options("static", options))
     return policy.exit_layer, policy.draft_length
 
 

@@ -1,14 +1,12 @@
 """The methods `delspec bench` can compare, by name, and the ``--methods`` list syntax.
 
 A method is a `MethodSpec` in `METHODS`: which backend runs it, with which strategy and fixed
-options. Adding a variant is one entry. delspec methods also take the exit-head options
-``adapters`` ("auto", a file, or "none", the default), ``draft_vocab`` (a size, sizes
-``a/b/c`` to choose from per round, or "auto"),
-``context_vocab`` (true, the default, or false) and ``int8_draft`` (true, false, the default,
-or "auto").
-On the command line, ``NAME:key=value,...`` adds or overrides options; ``E`` and ``d`` stand for
-``exit_layer`` and ``draft_length``, and a value ``a/b/c`` of numbers is a list (used by
-``static-sweep`` grids); any other value with ``/`` is a path.
+options. Adding a variant is one entry. A delspec method's options are `DecodeConfig` options
+(``preset``, the strategy's options, the draft options) and ``weights`` (a weight format to
+load the checkpoint in); the paper's methods run the ``paper`` preset's plain exit head,
+``del-fast`` the defaults. On the command line, ``NAME:key=value,...`` adds or overrides
+options (`delspec.decode_config.parse_option`: ``E`` and ``d`` stand for ``exit_layer`` and
+``draft_length``, a value ``a/b/c`` of numbers is a list, used by ``static-sweep`` grids).
 """
 
 from __future__ import annotations
@@ -18,9 +16,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from delspec.decode_config import DecodeConfig, parse_option
 from delspec.errors import ConfigError
 
-OPTION_ALIASES = {"E": "exit_layer", "d": "draft_length"}
+PAPER_OPTIONS = {"preset": "paper"}  # no adapters, the full vocabulary, exact drafts
 REFERENCE = "ar"  # every run includes it: speedups and losslessness are measured against it
 
 
@@ -47,25 +46,37 @@ class MethodSpec:
 
 
 METHODS: dict[str, MethodSpec] = {
-    "ar": MethodSpec("ar", description="vanilla autoregressive greedy decoding (the reference)"),
-    "del": MethodSpec("del", description="DEL: dynamic exit layer + dynamic draft exiting"),
-    "dele": MethodSpec("dele", description="DEL without dynamic draft exiting (DEL-E)"),
+    "ar": MethodSpec(
+        "ar", PAPER_OPTIONS, description="vanilla autoregressive greedy decoding (the reference)"
+    ),
+    "del": MethodSpec(
+        "del", PAPER_OPTIONS, description="DEL: dynamic exit layer + dynamic draft exiting"
+    ),
+    "dele": MethodSpec(
+        "dele", PAPER_OPTIONS, description="DEL without dynamic draft exiting (DEL-E)"
+    ),
     "del-fast": MethodSpec(
         "del-fast",
-        {"adapters": "auto", "draft_vocab": "auto", "int8_draft": "auto"},
         description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
         "rounds, 1% shadow budget, acceptance in runs, int8 drafts, pruned draft vocabularies "
         "(size chosen per round) with the context's tokens and the final layer, calibrated "
         "adapters where they apply",
     ),
-    "static": MethodSpec("static", description="LayerSkip self-speculation, fixed E and d"),
+    "static": MethodSpec(
+        "static", PAPER_OPTIONS, description="LayerSkip self-speculation, fixed E and d"
+    ),
     "static-sweep": MethodSpec(
         "static",
+        PAPER_OPTIONS,
         sweep=True,
         description="static at the (E, d) with the best tokens/s on calibration prompts per task",
     ),
-    "fs": MethodSpec("fs", description="fixed E; draft length +1 / -1 per round (FS)"),
-    "dv": MethodSpec("dv", description="fixed E; Draft & Verify's adaptive confidence threshold"),
+    "fs": MethodSpec(
+        "fs", PAPER_OPTIONS, description="fixed E; draft length +1 / -1 per round (FS)"
+    ),
+    "dv": MethodSpec(
+        "dv", PAPER_OPTIONS, description="fixed E; Draft & Verify's adaptive confidence threshold"
+    ),
     "hf": MethodSpec(
         "greedy",
         backend="transformers",
@@ -103,6 +114,14 @@ class Method:
     name: str
     spec: MethodSpec
     options: Mapping[str, Any]
+
+
+def method_config(strategy: str, options: Mapping[str, Any]) -> tuple[DecodeConfig, str | None]:
+    """The config a delspec method runs `strategy` with (`options` as `DecodeConfig.updated`
+    takes them, but ``weights``), and the weight format it runs on (None: the bench model's)."""
+    options = dict(options)
+    weights = options.pop("weights", None)
+    return DecodeConfig().updated(**options, strategy=strategy), weights
 
 
 def weights_of(method: Method, loaded: str) -> str | None:
@@ -165,23 +184,8 @@ def _method(label: str) -> Method:
     if spec is None:
         raise ConfigError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     options = dict(spec.options)
-    for pair in filter(None, raw.split(",")):
-        key, sep, value = pair.partition("=")
-        if not (sep and key and value):
-            raise ConfigError(f"method {label!r}: expected key=value, got {pair!r}")
-        values = [_scalar(v) for v in value.split("/")]
-        if len(values) > 1 and any(isinstance(v, str) for v in values):
-            values = [value]  # a path such as adapters=dir/file, not a grid
-        options[OPTION_ALIASES.get(key, key)] = values if len(values) > 1 else values[0]
+    try:
+        options.update(parse_option(pair) for pair in filter(None, raw.split(",")))
+    except ConfigError as exc:
+        raise ConfigError(f"method {label!r}: {exc}") from exc
     return Method(label, name, spec, MappingProxyType(options))
-
-
-def _scalar(text: str) -> int | float | bool | str:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text

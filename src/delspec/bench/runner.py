@@ -419,7 +419,8 @@ def model_info(lm: LoadedModel) -> dict[str, Any]:
         "name": lm.name,
         "source": lm.source,
         "layers": config.num_layers,
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "parameters": lm.model.parameter_count,
+        "weights": lm.model.weights,
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "device": str(lm.model.device),
     }

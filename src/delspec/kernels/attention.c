@@ -1,4 +1,6 @@
-/* Causal attention over a KV cache whose result for a query row never depends on the other rows.
+/* Causal attention over a KV cache whose result for a query row never depends on the other rows,
+ * fused with what comes before it in a layer: the optional per-head RMS norms of queries and keys,
+ * RoPE (rotate-half layout), and the write of the new keys and values into the cache.
  *
  * The row at position p of head h attends to keys [lo, p] of its key-value head (lo = 0, or
  * p - window + 1 with a sliding window): scores = scale * q . k, a softmax, and the weighted sum
@@ -43,18 +45,99 @@ static inline float dot(const float *a, const float *b, int n) {
     return sum;
 }
 
-/* out[h][r] = attention of q[h][r] (position start + r) over keys/values [kv_head(h)][0..p].
- * q, out: [heads][rows][dim]; keys, values: [kv_heads][kv_stride / dim][dim]. Returns 0, or -1
- * when dim is not a multiple of 8, -2 when out of memory. */
-int dl_attention(const float *q, const float *keys, const float *values, float *out, int heads,
-                 int kv_heads, int dim, int rows, int64_t start, int64_t kv_stride,
-                 int64_t window, float scale, int threads) {
+/* out[t] = a . b[t] for four consecutive rows b[t] of n values: each exactly dot(a, b[t], n),
+ * the four chains interleaved so that they do not wait on each other. */
+static inline void dot4(const float *a, const float *b, int n, float *out) {
+    float acc[4][LANES] = {{0}};
+    for (int i = 0; i < n; i += LANES)
+        for (int t = 0; t < 4; ++t)
+            for (int l = 0; l < LANES; ++l) acc[t][l] += a[i + l] * b[t * n + i + l];
+    for (int t = 0; t < 4; ++t) {
+        float sum = 0.0f;
+        for (int l = 0; l < LANES; ++l) sum += acc[t][l];
+        out[t] = sum;
+    }
+}
+
+/* The largest of x[0..n-1] (lane-wise, then lanes; exact whatever the order). */
+static inline float largest(const float *x, int64_t n) {
+    float top[LANES];
+    for (int l = 0; l < LANES; ++l) top[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l) top[l] = top[l] > x[i + l] ? top[l] : x[i + l];
+    float best = -INFINITY;
+    for (; i < n; ++i) best = best > x[i] ? best : x[i];
+    for (int l = 0; l < LANES; ++l) best = best > top[l] ? best : top[l];
+    return best;
+}
+
+/* x[i] = e^(x[i] - top) for i < n; returns their sum (lane-wise, then lanes, in a fixed order). */
+static inline float exp_sum(float *x, int64_t n, float top) {
+    for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i] - top);
+    float acc[LANES] = {0}, total = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l];
+    for (int l = 0; l < LANES; ++l) total += acc[l];
+    for (; i < n; ++i) total += x[i];
+    return total;
+}
+
+/* RMS norm of one head's `dim` values in place, with scale `offset + weight` (NULL: none). */
+static void head_norm(float *x, int dim, const float *weight, float eps, float offset) {
+    if (!weight) return;
+    float squares[LANES] = {0};
+    for (int i = 0; i < dim; i += LANES)
+        for (int l = 0; l < LANES; ++l) squares[l] += x[i + l] * x[i + l];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += squares[l];
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int i = 0; i < dim; ++i) x[i] = x[i] * inv * (offset + weight[i]);
+}
+
+/* out = RoPE of x (rotate-half: the first half pairs with the second) with this position's
+ * cos and sin rows. */
+static void rope(const float *x, const float *cos, const float *sin, int dim, float *out) {
+    int half = dim / 2;
+    for (int i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    for (int i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* One layer's attention for `rows` new positions start.. from their fused projection `qkv`
+ * ([rows][ld_qkv]: heads * dim query values, then kv_heads * dim keys, then as many values).
+ * Writes the new keys (normed, rotated) and values into `keys`/`values` ([kv_heads][kv_stride /
+ * dim][dim], positions 0..start+rows-1 then cached) and the attention output to `out`
+ * ([rows][heads * dim]). `cos`/`sin`: [rows][dim], the rows' RoPE tables. `q_norm`/`k_norm`:
+ * per-head RMS norm weights, or NULL. Returns 0, or -1 when dim is not a multiple of 8, -2 when
+ * out of memory. */
+int dl_attention(const float *qkv, int64_t ld_qkv, const float *cos, const float *sin,
+                 const float *q_norm, const float *k_norm, float norm_eps, float norm_offset,
+                 float *keys, float *values, float *out, int heads, int kv_heads, int dim,
+                 int rows, int64_t start, int64_t kv_stride, int64_t window, float scale,
+                 int threads) {
     if (dim % LANES) return -1;
     int group = heads / kv_heads, failed = 0;
     int64_t positions = start + rows;
+    float *scratch = malloc((size_t)dim * sizeof(float));
+    if (!scratch) return -2;
+    for (int r = 0; r < rows; ++r) {
+        const float *row = qkv + (int64_t)r * ld_qkv;
+        for (int h = 0; h < kv_heads; ++h) {
+            const float *k = row + (int64_t)(heads + h) * dim;
+            const float *v = row + (int64_t)(heads + kv_heads + h) * dim;
+            float *slot = keys + h * kv_stride + (start + r) * dim;
+            for (int i = 0; i < dim; ++i) scratch[i] = k[i];
+            head_norm(scratch, dim, k_norm, norm_eps, norm_offset);
+            rope(scratch, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, slot);
+            float *vslot = values + h * kv_stride + (start + r) * dim;
+            for (int i = 0; i < dim; ++i) vslot[i] = v[i];
+        }
+    }
+    free(scratch);
 #pragma omp parallel num_threads(threads) if (threads > 1 && (int64_t)heads * rows * positions > 4096)
     {
-        float *scores = malloc((size_t)positions * sizeof(float));
+        float *scores = malloc((size_t)(positions + 2 * dim) * sizeof(float));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -64,25 +147,34 @@ int dl_attention(const float *q, const float *keys, const float *values, float *
             if (!scores) continue;
             int h = task / rows, r = task % rows;
             int64_t p = start + r, lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            const float *qr = q + ((int64_t)h * rows + r) * dim;
+            float *normed = scores + positions, *qr = normed + dim;
+            const float *q = qkv + (int64_t)r * ld_qkv + (int64_t)h * dim;
+            for (int i = 0; i < dim; ++i) normed[i] = q[i];
+            head_norm(normed, dim, q_norm, norm_eps, norm_offset);
+            rope(normed, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, qr);
             const float *k = keys + (int64_t)(h / group) * kv_stride;
             const float *v = values + (int64_t)(h / group) * kv_stride;
-            float top = -INFINITY;
-            for (int64_t j = lo; j <= p; ++j) {
-                scores[j] = scale * dot(qr, k + j * dim, dim);
-                top = fmaxf(top, scores[j]);
-            }
-            float total = 0.0f;
-            for (int64_t j = lo; j <= p; ++j) {
-                scores[j] = exp_nonpositive(scores[j] - top);
-                total += scores[j];
-            }
-            float *o = out + ((int64_t)h * rows + r) * dim;
+            int64_t j = lo;
+            for (; j + 4 <= p + 1; j += 4) dot4(qr, k + j * dim, dim, scores + j);
+            for (; j <= p; ++j) scores[j] = dot(qr, k + j * dim, dim);
+            for (j = lo; j <= p; ++j) scores[j] *= scale;
+            float total = exp_sum(scores + lo, p + 1 - lo, largest(scores + lo, p + 1 - lo));
+            float *o = out + (int64_t)r * heads * dim + (int64_t)h * dim;
             for (int i = 0; i < dim; ++i) o[i] = 0.0f;
-            for (int64_t j = lo; j <= p; ++j) {
-                const float *vj = v + j * dim;
-                for (int i = 0; i < dim; ++i) o[i] += scores[j] * vj[i];
+            /* o += scores[j] * v[j] in order of j, four values rows per pass over o */
+            for (j = lo; j + 4 <= p + 1; j += 4) {
+                const float *v0 = v + j * dim, *s = scores + j;
+                for (int i = 0; i < dim; ++i) {
+                    float sum = o[i];
+                    sum += s[0] * v0[i];
+                    sum += s[1] * v0[dim + i];
+                    sum += s[2] * v0[2 * dim + i];
+                    sum += s[3] * v0[3 * dim + i];
+                    o[i] = sum;
+                }
             }
+            for (; j <= p; ++j)
+                for (int i = 0; i < dim; ++i) o[i] += scores[j] * v[j * dim + i];
             float inv = 1.0f / total;
             for (int i = 0; i < dim; ++i) o[i] *= inv;
         }

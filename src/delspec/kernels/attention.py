@@ -1,5 +1,6 @@
-"""Row-exact causal attention over the KV cache (`attention.c`): each query row's result has the
-same bits however many rows are computed together."""
+"""Row-exact causal attention over the KV cache (`attention.c`), fused with the per-head query
+and key norms, RoPE and the cache write: each query row's result has the same bits however many
+rows are computed together."""
 
 from __future__ import annotations
 
@@ -9,36 +10,63 @@ from torch import Tensor
 from delspec.kernels.build import library
 
 
-def available(q: Tensor) -> bool:
-    """Whether `row_exact_attention` can take these queries (float32 on CPU, compiled kernels)."""
+def available(x: Tensor, head_dim: int) -> bool:
+    """Whether `fused_attention` can take this projection (float32 on CPU, a head size that is a
+    multiple of 8, compiled kernels)."""
     return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[-1] % 8 == 0
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and head_dim % 8 == 0
         and library() is not None
     )
 
 
-def row_exact_attention(
-    q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | None, scale: float
+def fused_attention(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cache: Tensor,
+    start: int,
+    heads: int,
+    window: int | None,
+    scale: float,
+    norms: tuple[Tensor, Tensor, float, float] | None = None,
 ) -> Tensor:
-    """Attention of queries `q` `[heads, rows, dim]` at positions `start..` over the cached
-    `keys`/`values` `[kv_heads, length, dim]` of positions `0..start+rows-1` (a row at position
-    p sees positions `0..p`, or the last `window` of them) -> `[heads, rows, dim]`."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    heads, rows, dim = q.shape
+    """Attention of the rows of `qkv` `[rows, (heads + 2 kv_heads) * dim]` (a fused projection:
+    queries, keys, values) at positions `start..` -> `[rows, heads * dim]`.
+
+    Their keys (RMS-normed with `norms` = (query weight, key weight, eps, offset) if given, then
+    rotated by the rows' `cos`/`sin` tables `[rows, dim]`) and values are written into `cache`
+    `[2, kv_heads, length, dim]` first; a row at position p sees positions `0..p`, or the last
+    `window` of them.
+    """
+    _, kv_heads, _, dim = cache.shape
+    rows = qkv.shape[0]
+    if dim % 8 or not cache.is_contiguous() or cache.dtype != torch.float32:
+        raise ValueError("fused attention needs head_dim % 8 == 0 and a contiguous float32 cache")
+    if qkv.stride(-1) != 1:  # e.g. a narrow product's transposed result
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, heads * dim)
+    q_norm, k_norm, eps, offset = norms if norms is not None else (None, None, 0.0, 0.0)
     status = library().dl_attention(
-        q.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(),
+        eps,
+        offset,
+        cache.data_ptr(),
+        cache.data_ptr() + cache.stride(0) * 4,  # (no views: each costs microseconds)
         out.data_ptr(),
         heads,
-        keys.shape[0],
+        kv_heads,
         dim,
         rows,
         start,
-        keys.stride(0),
+        cache.stride(1),
         window or 0,
         scale,
         torch.get_num_threads(),

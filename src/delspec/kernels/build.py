@@ -22,7 +22,9 @@ from pathlib import Path
 
 from delspec.cache import cache_dir, write_atomically
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_blocks.c", "attention.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("gguf_blocks.c", "attention.c", "layer_ops.c")
+]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_VNNI = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _COMMON = [
@@ -140,5 +142,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_matmul.restype = i32
     lib.dl_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
     lib.dl_dequantize.restype = i32
-    lib.dl_attention.argtypes = [p, p, p, p, i32, i32, i32, i32, i64, i64, i64, ctypes.c_float, i32]
+    f32 = ctypes.c_float
+    lib.dl_attention.argtypes = [p, i64, p, p, p, p, f32, f32, p, p, p, i32, i32, i32, i32]
+    lib.dl_attention.argtypes += [i64, i64, i64, f32, i32]
     lib.dl_attention.restype = i32
+    lib.dl_rms_norm.argtypes = [p, i64, p, f32, f32, i32, i32, p, i64]
+    lib.dl_rms_norm.restype = None
+    lib.dl_gated.argtypes = [p, i32, i32, i32, p]
+    lib.dl_gated.restype = None

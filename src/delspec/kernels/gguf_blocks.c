@@ -9,7 +9,7 @@
  *
  * Each output element is computed by the same sequence of operations whatever M, the row's
  * place in the call and the thread count: outputs are split over threads by weight row only,
- * rows of x are processed in chunks of at most 16 with the same per-row code, and the build
+ * rows of x are processed in chunks of at most 8 with the same per-row code, and the build
  * turns off floating-point contraction. So a row's bits never depend on what it is batched with.
  *
  * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with AVX-512 VNNI
@@ -24,7 +24,12 @@
 #endif
 
 #define GROUP 32
-#define MAX_ROWS 16 /* rows of x per inner pass */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1 /* AVX-512 VNNI dot products on 256-bit vectors */
+#else
+#define VNNI 0
+#endif
+#define MAX_ROWS 8 /* rows of x per inner pass */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -282,135 +287,133 @@ static inline __m256i bit_16s(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* The per-row update of one group: acc += (s * d) * dot, accm += m * sum, for `rows` rows; `sv`
- * and `mv` hold the group's weight scale and minimum per lane (lanes 0-3: first half, 4-7:
- * second). Two accumulators per row, so that the two multiply-adds of a group do not wait on
- * each other. `sign`: signed values without a minimum (Q8_0 without VNNI). */
-#define GROUP_UPDATE(qv, sv, mv, sign)                                                        \
-    for (int r = 0; r < rows; ++r) {                                                         \
-        const int64_t at = ((int64_t)r * groups + g) * 8;                                    \
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K_ld + g * GROUP)); \
-        __m256i dot = sign ? dot_u8_s8(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv))    \
-                           : dot_u8_s8(qv, xv);                                              \
-        __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(xd8 + at));                         \
-        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);                    \
-        if (!sign) accm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), accm[r]);        \
-    }
-
 static inline __m256 halves(float lo, float hi) {
     return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
 }
 
-static inline __attribute__((always_inline)) void row_avx2(int type, const uint8_t *w, int K,
-                                                            const Activations *a, int K_ld,
-                                                            int rows, float *out) {
-    const int8_t *xq = a->q;
-    const float *xd8 = a->d8, *xs8 = a->sum8;
-    int groups = K / GROUP;
-    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+/* Group g of weight row w as 32 byte values q with the scale `sv` and minimum `mv` of each half
+ * per lane (lanes 0-3: first half, 4-7: second): w = s * q + m. Q8_0's values are signed (and its
+ * minimum zero) except under VNNI, where they are shifted to q + 128 with m = -128 d. */
+static inline __attribute__((always_inline)) void unpack_avx2(int type, const uint8_t *w, int g,
+                                                               __m256i *qv, __m256 *sv,
+                                                               __m256 *mv) {
     switch (type) {
     case Q4_0:
     case Q4_1:
     case Q5_0:
     case Q5_1:
     case Q8_0: {
-        int bb = block_bytes(type);
-        for (int g = 0; g < groups; ++g) {
-            const uint8_t *b = w + (int64_t)g * bb;
-            float d = f16_at(b);
-            __m256 sv = _mm256_set1_ps(d);
-            if (type == Q8_0) {
-                __m256i qv = _mm256_loadu_si256((const __m256i *)(b + 2));
+        const uint8_t *b = w + (int64_t)g * block_bytes(type);
+        float d = f16_at(b);
+        *sv = _mm256_set1_ps(d);
+        if (type == Q8_0) {
+            *qv = _mm256_loadu_si256((const __m256i *)(b + 2));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                /* q + 128 is unsigned and VNNI's sums do not saturate: w = d * (q+128) - 128 d */
-                qv = _mm256_xor_si256(qv, _mm256_set1_epi8((char)0x80));
-                __m256 mv = _mm256_set1_ps(-128.0f * d);
-                GROUP_UPDATE(qv, sv, mv, 0)
+            *qv = _mm256_xor_si256(*qv, _mm256_set1_epi8((char)0x80));
+            *mv = _mm256_set1_ps(-128.0f * d);
 #else
-                GROUP_UPDATE(qv, sv, sv, 1)
+            *mv = _mm256_setzero_ps();
 #endif
-            } else if (type == Q4_0 || type == Q4_1) {
-                __m256 mv = _mm256_set1_ps(type == Q4_0 ? -8.0f * d : f16_at(b + 2));
-                __m256i qv = nibbles_32(b + (type == Q4_0 ? 2 : 4));
-                GROUP_UPDATE(qv, sv, mv, 0)
-            } else {
-                const uint8_t *qh = b + (type == Q5_0 ? 2 : 4);
-                __m256 mv = _mm256_set1_ps(type == Q5_0 ? -16.0f * d : f16_at(b + 2));
-                __m256i qv = _mm256_or_si256(nibbles_32(qh + 4), bit_16s(qh));
-                GROUP_UPDATE(qv, sv, mv, 0)
-            }
+        } else if (type == Q4_0 || type == Q4_1) {
+            *mv = _mm256_set1_ps(type == Q4_0 ? -8.0f * d : f16_at(b + 2));
+            *qv = nibbles_32(b + (type == Q4_0 ? 2 : 4));
+        } else {
+            const uint8_t *qh = b + (type == Q5_0 ? 2 : 4);
+            *mv = _mm256_set1_ps(type == Q5_0 ? -16.0f * d : f16_at(b + 2));
+            *qv = _mm256_or_si256(nibbles_32(qh + 4), bit_16s(qh));
         }
-        break;
+        return;
     }
     case Q4_K:
     case Q5_K: {
-        int bb = block_bytes(type);
-        for (int g0 = 0; g0 < groups; g0 += 8) {
-            const uint8_t *b = w + (int64_t)(g0 / 8) * bb;
-            float d = f16_at(b), dmin = f16_at(b + 2);
-            const uint8_t *qh = b + 16, *ql = b + (type == Q4_K ? 16 : 48);
-            __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-            for (int j = 0; j < 8; ++j) {
-                int g = g0 + j, sc, mn;
-                k_scale_min(b + 4, j, &sc, &mn);
-                __m256i bytes = _mm256_loadu_si256((const __m256i *)(ql + 32 * (j / 2)));
-                __m256i qv = j % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
-                if (type == Q5_K) { /* bit j of each qh byte -> 0x10 */
-                    __m256i bit = _mm256_and_si256(high, _mm256_set1_epi8((char)(1 << j)));
-                    bit = _mm256_cmpeq_epi8(bit, _mm256_set1_epi8((char)(1 << j)));
-                    qv = _mm256_or_si256(qv, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
-                }
-                __m256 sv = _mm256_set1_ps(d * (float)sc);
-                __m256 mv = _mm256_set1_ps(-(dmin * (float)mn));
-                GROUP_UPDATE(qv, sv, mv, 0)
-            }
+        const uint8_t *b = w + (int64_t)(g / 8) * block_bytes(type);
+        int j = g % 8, sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        __m256i bytes = _mm256_loadu_si256(
+            (const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (j / 2)));
+        *qv = j % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
+        if (type == Q5_K) { /* bit j of each qh byte -> 0x10 */
+            __m256i high = _mm256_loadu_si256((const __m256i *)(b + 16));
+            __m256i bit = _mm256_and_si256(high, _mm256_set1_epi8((char)(1 << j)));
+            bit = _mm256_cmpeq_epi8(bit, _mm256_set1_epi8((char)(1 << j)));
+            *qv = _mm256_or_si256(*qv, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
         }
-        break;
+        *sv = _mm256_set1_ps(f16_at(b) * (float)sc);
+        *mv = _mm256_set1_ps(-(f16_at(b + 2) * (float)mn));
+        return;
     }
     case Q6_K: {
-        for (int g0 = 0; g0 < groups; g0 += 8) {
-            const uint8_t *b = w + (int64_t)(g0 / 8) * 210;
-            float d = f16_at(b + 208);
-            for (int half = 0; half < 2; ++half) {
-                const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
-                const int8_t *scales = (const int8_t *)(b + 192) + 8 * half;
-                __m256i la = _mm256_loadu_si256((const __m256i *)ql);
-                __m256i lb = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
-                const __m256i two_bits = _mm256_set1_epi8(0x30);
-                __m256i parts[4] = {
-                    _mm256_or_si256(low_nibbles(la),
-                                    _mm256_and_si256(_mm256_slli_epi16(hv, 4), two_bits)),
-                    _mm256_or_si256(low_nibbles(lb),
-                                    _mm256_and_si256(_mm256_slli_epi16(hv, 2), two_bits)),
-                    _mm256_or_si256(high_nibbles(la), _mm256_and_si256(hv, two_bits)),
-                    _mm256_or_si256(high_nibbles(lb),
-                                    _mm256_and_si256(_mm256_srli_epi16(hv, 2), two_bits)),
-                };
-                for (int p = 0; p < 4; ++p) {
-                    int g = g0 + 4 * half + p;
-                    float s0 = d * (float)scales[2 * p], s1 = d * (float)scales[2 * p + 1];
-                    __m256 sv = halves(s0, s1), mv = halves(-32.0f * s0, -32.0f * s1);
-                    GROUP_UPDATE(parts[p], sv, mv, 0)
-                }
-            }
-        }
-        break;
+        const uint8_t *b = w + (int64_t)(g / 8) * 210;
+        int half = (g % 8) / 4, part = g % 4; /* 0: ql low, 1: ql+32 low, 2: ql high, 3: ql+32 high */
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (part % 2)));
+        __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+        __m256i two = part == 0   ? _mm256_slli_epi16(hv, 4)
+                      : part == 1 ? _mm256_slli_epi16(hv, 2)
+                      : part == 2 ? hv
+                                  : _mm256_srli_epi16(hv, 2);
+        two = _mm256_and_si256(two, _mm256_set1_epi8(0x30));
+        *qv = _mm256_or_si256(part < 2 ? low_nibbles(bytes) : high_nibbles(bytes), two);
+        const int8_t *scales = (const int8_t *)(b + 192) + 8 * half + 2 * part;
+        float d = f16_at(b + 208), s0 = d * (float)scales[0], s1 = d * (float)scales[1];
+        *sv = halves(s0, s1);
+        *mv = halves(-32.0f * s0, -32.0f * s1);
+        return;
     }
+    }
+}
+
+/* out[r] = W . x[r] for one weight row and `rows` rows of x, by the same operations in the same
+ * order whatever `rows`: per group, acc += (s * d) * dot and accm += m * sum (two accumulators,
+ * so that the two multiply-adds of a group do not wait on each other). */
+static inline __attribute__((always_inline)) void row_avx2(int type, const uint8_t *w, int K,
+                                                            const Activations *a, int K_ld,
+                                                            int rows, float *out) {
+    const int8_t *xq = a->q;
+    const float *xd8 = a->d8, *xs8 = a->sum8;
+    int groups = K / GROUP;
+    /* Q8_0 without VNNI: signed values, no minimum; maddubs takes |q| and x with q's sign */
+    int sign = type == Q8_0 && !VNNI;
+    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m256i qv = _mm256_setzero_si256();
+        __m256 sv = _mm256_setzero_ps(), mv = sv;
+        unpack_avx2(type, w, g, &qv, &sv, &mv);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; ++r) {
+            const int64_t at = ((int64_t)r * groups + g) * 8;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K_ld + g * GROUP));
+            __m256i dot = sign ? dot_u8_s8(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv))
+                               : dot_u8_s8(qv, xv);
+            __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(xd8 + at));
+            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);
+            if (!sign) accm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), accm[r]);
+        }
     }
     for (int r = 0; r < rows; ++r) out[r] = hsum(_mm256_add_ps(acc[r], accm[r]));
 }
 
-/* One specialised copy per row count, so that accumulators stay in registers. */
-#define ROWS_CASE(n)                                                                         \
-    case n: row_avx2(type, w, K, a, K_ld, n, out); return;
+/* One specialised copy per type and row count, so that the unpacking is inlined and the
+ * accumulators stay in registers. */
+#define ROWS_CASE(t, n)                                                                      \
+    case n: row_avx2(t, w, K, a, K_ld, n, out); return;
+#define ROW_COUNTS(t)                                                                        \
+    switch (rows) {                                                                          \
+        ROWS_CASE(t, 1) ROWS_CASE(t, 2) ROWS_CASE(t, 3) ROWS_CASE(t, 4) ROWS_CASE(t, 5)       \
+        ROWS_CASE(t, 6) ROWS_CASE(t, 7) ROWS_CASE(t, 8)                                      \
+    }                                                                                        \
+    return;
 static void row_dispatch(int type, const uint8_t *w, int K, const Activations *a, int K_ld,
                          int rows, float *out) {
-    switch (rows) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
-        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
-        ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15) ROWS_CASE(16)
+    switch (type) {
+    case Q4_0: ROW_COUNTS(Q4_0)
+    case Q4_1: ROW_COUNTS(Q4_1)
+    case Q5_0: ROW_COUNTS(Q5_0)
+    case Q5_1: ROW_COUNTS(Q5_1)
+    case Q8_0: ROW_COUNTS(Q8_0)
+    case Q4_K: ROW_COUNTS(Q4_K)
+    case Q5_K: ROW_COUNTS(Q5_K)
+    case Q6_K: ROW_COUNTS(Q6_K)
     }
 }
 #endif
@@ -458,12 +461,8 @@ int dl_matmul(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t
     /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
      * only its current chunk, not a fixed half of the rows */
     int64_t chunk = N / ((int64_t)threads * 16) > 32 ? N / ((int64_t)threads * 16) : 32;
-    if (threads > 1 && N >= 64) {
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
-        for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
-    } else {
-        for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
-    }
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
     return 0;
 }
 

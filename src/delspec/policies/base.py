@@ -28,6 +28,7 @@ class Policy:
     `keep_drafting` after every draft token (except the last allowed one), and `observe` gets the
     finished round. `collect_hidden` asks the engine for every layer's states of each round;
     `warmup_window` asks for that many prompt positions as teacher-forced context in round 0.
+    Subclasses take the model's depth and their strategy's options (`delspec.decode_config`).
     """
 
     name = "policy"
@@ -43,22 +44,20 @@ class Policy:
     def plan(self) -> Plan:
         raise NotImplementedError
 
-    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+    def keep_drafting(self, confidence: float) -> bool:
+        """Whether to draft another token after one drafted with `confidence`."""
         return True
 
     def observe(self, record: Round) -> None:
         """Update statistics from a finished round; may annotate `record.extra` for traces."""
 
-    def check_exit_layer(self, exit_layer: int) -> int:
+    def check_exit_layer(self, exit_layer: int | None) -> int:
+        """`exit_layer` (None: a quarter of the layers), checked against the model's depth."""
+        if exit_layer is None:
+            exit_layer = max(1, self.num_layers // 4)
         if not 1 <= exit_layer <= self.num_layers:
             raise ConfigError(
                 f"exit layer must be in 1..{self.num_layers} for a {self.num_layers}-layer "
                 f"model, got {exit_layer}"
             )
         return exit_layer
-
-
-def check_draft_length(draft_length: int, name: str = "draft length") -> int:
-    if draft_length < 1:
-        raise ConfigError(f"{name} must be >= 1, got {draft_length}")
-    return draft_length

@@ -8,12 +8,12 @@ import torch
 
 from delspec.cache import cache_dir
 from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
+from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
 from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
-from delspec.policies.base import Plan, Policy, check_draft_length
+from delspec.policies.base import Plan, Policy
 
-COSTS = ("layers", "measured")
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
 
@@ -74,57 +74,25 @@ class DynamicExit(Policy):
 
     name = "del"
 
-    def __init__(
-        self,
-        num_layers: int,
-        candidates: list[int] | None = None,
-        omega: float = 0.95,
-        gamma_max: int = 18,
-        gamma_min: int = 0,
-        draft_cap: int = 18,
-        warmup: int = 32,
-        dynamic_draft: bool = True,
-        cost: str = "layers",
-        no_draft: bool = False,
-        shadow_budget: float | None = None,
-        prior: float | None = None,
-        margin: float | None = None,
-        runs: bool = False,
-        min_evidence: float = 0.0,
-    ) -> None:
+    def __init__(self, num_layers: int, options: DELOptions) -> None:
         super().__init__(num_layers)
-        layers = candidates if candidates is not None else list(range(1, num_layers))
+        o = options
+        layers = o.candidates if o.candidates is not None else range(1, num_layers)
         if not layers:
             raise ConfigError("DEL needs at least one candidate exit layer")
         # `start` adds layer L to the default candidates when the head drafts it cheaply.
         self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
-        self.final_exit = candidates is None
-        if not 0.0 < omega <= 1.0:
-            raise ConfigError(f"omega must be in (0, 1], got {omega}")
-        if not 0 <= gamma_min < gamma_max:
-            raise ConfigError(f"need 0 <= gamma_min < gamma_max, got {gamma_min}, {gamma_max}")
-        if warmup < 0:
-            raise ConfigError(f"warmup window must be >= 0, got {warmup}")
-        if cost not in COSTS:
-            raise ConfigError(f"cost must be one of {', '.join(COSTS)}, got {cost!r}")
-        if shadow_budget is not None and not 0.0 < shadow_budget <= 1.0:
-            raise ConfigError(f"shadow_budget must be in (0, 1], got {shadow_budget}")
-        self.omega, self.draft_cap = omega, check_draft_length(draft_cap, "draft cap")
-        self.warmup_window, self.dynamic_draft = warmup, dynamic_draft
-        measured = cost == "measured"
-        prior = (1.0 if measured else 0.0) if prior is None else prior
-        margin = (0.05 if measured and no_draft else 0.0) if margin is None else margin
-        if min(prior, margin, min_evidence) < 0:
-            raise ConfigError(
-                f"prior, margin and min_evidence must be >= 0, got {prior}, {margin}, "
-                f"{min_evidence}"
-            )
-        self.cost_name, self.no_draft, self.shadow_budget = cost, no_draft, shadow_budget
-        self.prior, self.margin, self.runs = prior, margin, runs
-        self.min_evidence = min_evidence
-        self.draft_lengths = torch.arange(gamma_min, gamma_max)
+        self.final_exit = o.candidates is None
+        self.omega, self.draft_cap = o.omega, o.draft_cap
+        self.warmup_window, self.dynamic_draft = o.warmup, o.dynamic_draft
+        measured = o.cost == "measured"
+        self.prior = (1.0 if measured else 0.0) if o.prior is None else o.prior
+        self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
+        self.cost_name, self.no_draft, self.shadow_budget = o.cost, o.no_draft, o.shadow_budget
+        self.runs, self.min_evidence = o.runs, o.min_evidence
+        self.draft_lengths = torch.arange(o.gamma_min, o.gamma_max)
         # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
-        self.cap_at_optimum = measured or not dynamic_draft
+        self.cap_at_optimum = measured or not o.dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
         self.cost: LayerCost | MeasuredCost = LayerCost(num_layers)
@@ -167,7 +135,7 @@ class DynamicExit(Policy):
         """The next draft's cap: `draft_cap` (the paper), else d*, never above `draft_cap`."""
         return min(self.draft_length, self.draft_cap) if self.cap_at_optimum else self.draft_cap
 
-    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+    def keep_drafting(self, confidence: float) -> bool:
         return not self.dynamic_draft or confidence >= self.tau_exit
 
     def observe(self, record: Round) -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from delspec.decode_config import DVOptions, FSOptions, NoOptions, StaticOptions
 from delspec.engine import ExitHead, Round
-from delspec.errors import ConfigError
-from delspec.policies.base import Plan, Policy, check_draft_length
+from delspec.policies.base import Plan, Policy
 
 
 class Autoregressive(Policy):
     """No drafting: one full-model step per round."""
 
     name = "ar"
+
+    def __init__(self, num_layers: int, options: NoOptions) -> None:
+        super().__init__(num_layers)
 
     def plan(self) -> Plan:
         return Plan(0, 0)
@@ -21,14 +24,10 @@ class Static(Policy):
 
     name = "static"
 
-    def __init__(
-        self, num_layers: int, exit_layer: int | None = None, draft_length: int = 6
-    ) -> None:
+    def __init__(self, num_layers: int, options: StaticOptions) -> None:
         super().__init__(num_layers)
-        self.exit_layer = self.check_exit_layer(
-            exit_layer if exit_layer is not None else max(1, num_layers // 4)
-        )
-        self.draft_length = check_draft_length(draft_length)
+        self.exit_layer = self.check_exit_layer(options.exit_layer)
+        self.draft_length = options.draft_length
 
     def plan(self) -> Plan:
         return Plan(self.exit_layer, self.draft_length)
@@ -42,16 +41,9 @@ class FiniteStateDraft(Static):
 
     name = "fs"
 
-    def __init__(
-        self,
-        num_layers: int,
-        exit_layer: int | None = None,
-        draft_length: int = 6,
-        max_draft: int = 18,
-    ) -> None:
-        super().__init__(num_layers, exit_layer, draft_length)
-        self.max_draft = check_draft_length(max_draft, "max draft")
-        self.initial = draft_length
+    def __init__(self, num_layers: int, options: FSOptions) -> None:
+        super().__init__(num_layers, options)
+        self.max_draft, self.initial = options.max_draft, options.draft_length
 
     def start(self, exit_head: ExitHead) -> None:
         self.draft_length = self.initial
@@ -74,22 +66,10 @@ class DraftAndVerify(Static):
 
     name = "dv"
 
-    def __init__(
-        self,
-        num_layers: int,
-        exit_layer: int | None = None,
-        threshold: float = 0.6,
-        max_draft: int = 18,
-        target: float = 0.8,
-        step: float = 0.01,
-        beta1: float = 0.5,
-        beta2: float = 0.9,
-    ) -> None:
-        super().__init__(num_layers, exit_layer, max_draft)
-        if not 0.0 <= threshold <= 1.0:
-            raise ConfigError(f"threshold must be in [0, 1], got {threshold}")
-        self.initial, self.target, self.step = threshold, target, step
-        self.beta1, self.beta2 = beta1, beta2
+    def __init__(self, num_layers: int, options: DVOptions) -> None:
+        super().__init__(num_layers, StaticOptions(options.exit_layer, options.max_draft))
+        self.initial, self.target, self.step = options.threshold, options.target, options.step
+        self.beta1, self.beta2 = options.beta1, options.beta2
         self.start(None)
 
     def start(self, exit_head: ExitHead | None) -> None:
@@ -97,7 +77,7 @@ class DraftAndVerify(Static):
         self.rate: float | None = None
         self.drafted = self.accepted = 0
 
-    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+    def keep_drafting(self, confidence: float) -> bool:
         return confidence >= self.threshold
 
     def observe(self, record: Round) -> None:

@@ -14,9 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from delspec.adapters import draft_head
+from delspec.decode_config import DecodeConfig
 from delspec.errors import ConfigError, DelspecError
 from delspec.generate import encode_prompt
-from delspec.policies import DEFAULT_STRATEGY, make_policy
+from delspec.policies import make_policy
+from delspec.sampling import Sampling
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
     APIError,
@@ -48,12 +51,13 @@ class _Service:
     def __init__(
         self,
         lm: LoadedModel,
+        config: DecodeConfig,
         worker: Worker,
         name: str,
         request_timeout: float,
         queue_timeout: float,
     ) -> None:
-        self.lm, self.worker, self.name = lm, worker, name
+        self.lm, self.config, self.worker, self.name = lm, config, worker, name
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.context = lm.model.config.max_position
 
@@ -91,6 +95,25 @@ class _Service:
                 param="n",
             )
 
+    def _decode_config(self, body: GenerationRequest) -> DecodeConfig:
+        """The server's config updated with the request's `delspec` options. Adapters files
+        are the server's to choose (`delspec serve --adapters`): a request may ask for "auto"
+        or "none" only."""
+        options = body.delspec or {}
+        if options.get("adapters", "auto") not in ("auto", "none", None):
+            raise APIError(
+                400,
+                "delspec.adapters may be 'auto' or 'none'; adapters files are chosen when the "
+                "server starts (delspec serve --adapters)",
+                param="delspec.adapters",
+            )
+        try:
+            config = self.config.updated(**options)
+            make_policy(config, self.lm.model.num_layers)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="delspec") from exc
+        return config
+
     def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
         if not prompt_ids:
             raise APIError(400, f"the {param} is empty", param=param)
@@ -118,16 +141,21 @@ class _Service:
                 f"{limit_param}={limit} is more than the model's context of {self.context} tokens",
                 param=limit_param,
             )
-        options = {  # generate() checks them again (ConfigError -> 400)
+        config = self._decode_config(body)
+        sampling = Sampling(
+            1.0 if body.temperature is None else body.temperature,
+            body.top_k or 0,
+            1.0 if body.top_p is None else body.top_p,
+            body.seed,
+        )
+        options = {
+            "sampling": sampling,
             "max_new_tokens": limit or self.context - len(prompt_ids),
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_k": body.top_k or 0,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
-            "seed": body.seed,
             "stop": body.stop,
         }
         deadline = time.monotonic() + self.request_timeout
-        job = Job(prompt_ids, options, body.stream, deadline, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = Job(prompt_ids, config, options, body.stream, deadline, loop)
         try:
             self.worker.submit(job)
         except QueueFull:
@@ -228,22 +256,23 @@ class _Service:
 def create_app(
     lm: LoadedModel,
     *,
-    strategy: str = DEFAULT_STRATEGY,
-    strategy_options: dict[str, Any] | None = None,
+    config: DecodeConfig | None = None,
     max_queue: int = 16,
     request_timeout: float = 600.0,
     queue_timeout: float | None = None,
     model_name: str | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving `lm` with `strategy` (and its options).
+    """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
+    request's `delspec` options update.
 
     `max_queue` requests may wait while one generates; `request_timeout` bounds a request from
     arrival to its last token, `queue_timeout` (default: `request_timeout`) its wait in the
     queue. `model_name` (default `lm.name`) is the id clients pass as `model`. Raises
     `ConfigError` for invalid settings.
     """
-    options = dict(strategy_options or {})
-    make_policy(strategy, lm.model.num_layers, **options)  # fail now, not at the first request
+    config = config or DecodeConfig()
+    make_policy(config, lm.model.num_layers)  # fail now, not at the first request:
+    draft_head(lm, config)  # a bad option or adapters file
     if max_queue < 0:
         raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
@@ -253,8 +282,8 @@ def create_app(
         )
     name = model_name or lm.name
     metrics = Metrics(lm.model.num_layers)
-    worker = Worker(lm, strategy, options, max_queue, metrics)
-    service = _Service(lm, worker, name, request_timeout, queue_timeout)
+    worker = Worker(lm, max_queue, metrics)
+    service = _Service(lm, config, worker, name, request_timeout, queue_timeout)
     started = int(time.time())
 
     @asynccontextmanager

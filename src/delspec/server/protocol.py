@@ -30,6 +30,8 @@ class GenerationRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     n: int = 1
     stream: bool = False
+    # delspec's extension: `DecodeConfig` options over the server's (preset, strategy, ...)
+    delspec: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

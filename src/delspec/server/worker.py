@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from delspec.decode_config import DecodeConfig
 from delspec.errors import DelspecError
 from delspec.generate import generate
 from delspec.server.metrics import Metrics
@@ -22,13 +23,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Job:
-    """One generation: the inputs for `generate` and the events it sends back.
+    """One generation: the inputs for `generate` (`config`, and `options` such as
+    `max_new_tokens`) and the events it sends back.
 
     Events, delivered to the request's event loop in order: ("start", None), then ("text",
     piece)... if `stream`, then ("done", Result) or ("error", exception).
     """
 
     prompt_ids: list[int]
+    config: DecodeConfig
     options: dict[str, Any]
     stream: bool
     deadline: float  # time.monotonic() by which the generation must end
@@ -53,16 +56,8 @@ class QueueFull(Exception):
 class Worker:
     """Runs jobs one at a time, in arrival order, on one background thread."""
 
-    def __init__(
-        self,
-        lm: LoadedModel,
-        strategy: str,
-        strategy_options: dict[str, Any],
-        max_queue: int,
-        metrics: Metrics,
-    ) -> None:
-        self.lm, self.strategy, self.strategy_options = lm, strategy, strategy_options
-        self.max_queue, self.metrics = max_queue, metrics
+    def __init__(self, lm: LoadedModel, max_queue: int, metrics: Metrics) -> None:
+        self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.running: Job | None = None
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -122,12 +117,11 @@ class Worker:
             result = generate(
                 self.lm,
                 job.prompt_ids,
-                strategy=self.strategy,
+                job.config,
                 on_text=(lambda piece, _kind: job.emit("text", piece)) if job.stream else None,
                 should_stop=job.should_stop,
                 trace=True,
                 **job.options,
-                **self.strategy_options,
             )
         except Exception as exc:  # reported to its client; the worker goes on serving
             if not isinstance(exc, DelspecError):

@@ -1,0 +1,122 @@
+"""The compiled layer kernels against torch references: fused attention (norms, RoPE, cache
+write, causal attention), RMS norm and the gated activation; rows' bits independent of how many
+rows are computed together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from delspec.kernels import attention, layer_ops
+from delspec.kernels.build import library
+from delspec.model import apply_rope, rope_inv_freq, rope_table
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
+HEADS, KV_HEADS, DIM, LENGTH = 6, 2, 16, 40
+
+
+def reference(qkv, cos, sin, cache, start, window, scale, norms):
+    """Torch's attention (float64) of qkv rows at positions start.., with the cache's earlier
+    positions as keys and values."""
+    n = qkv.shape[0]
+    q, k, v = qkv.double().split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    q = q.view(n, HEADS, DIM).transpose(0, 1)
+    k = k.view(n, KV_HEADS, DIM).transpose(0, 1)
+    v = v.view(n, KV_HEADS, DIM).transpose(0, 1)
+    if norms is not None:
+        q_w, k_w, eps, offset = norms
+        q = F.rms_norm(q, (DIM,), (q_w + offset).double(), eps)
+        k = F.rms_norm(k, (DIM,), (k_w + offset).double(), eps)
+    q, k = apply_rope(q, cos.double(), sin.double()), apply_rope(k, cos.double(), sin.double())
+    keys = torch.cat([cache[0, :, :start].double(), k], dim=1)
+    values = torch.cat([cache[1, :, :start].double(), v], dim=1)
+    rows = torch.arange(start, start + n)[:, None]
+    cols = torch.arange(start + n)[None, :]
+    allowed = (cols <= rows) & ((cols > rows - window) if window else True)
+    group = HEADS // KV_HEADS
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).reshape(n, -1), k, v
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_matches_reference_and_writes_the_cache(window, with_norms):
+    torch.manual_seed(0)
+    cos, sin = rope_table(rope_inv_freq(DIM, 10000.0), LENGTH, torch.float32)
+    cache = torch.randn(2, KV_HEADS, LENGTH, DIM)
+    start, n = 11, 7
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM)
+    norms = (torch.rand(DIM) + 0.5, torch.rand(DIM) + 0.5, 1e-6, 1.0) if with_norms else None
+    tables = cos[start : start + n], sin[start : start + n]
+    expected, k, v = reference(qkv, *tables, cache, start, window, 0.3, norms)
+    got = attention.fused_attention(qkv, *tables, cache, start, HEADS, window, 0.3, norms)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[0, :, start : start + n].double(), k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache[1, :, start : start + n].double(), v)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_bits_do_not_depend_on_the_rows_computed_with_them(threads):
+    torch.manual_seed(1)
+    cos, sin = rope_table(rope_inv_freq(DIM, 10000.0), LENGTH, torch.float32)
+    prefix = torch.randn(2, KV_HEADS, LENGTH, DIM)
+    start, n = 20, 9
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = prefix.clone()
+        all_rows = attention.fused_attention(
+            qkv, cos[start : start + n], sin[start : start + n], together, start, HEADS, 6, 0.25
+        )
+        alone = prefix.clone()
+        for r in range(n):
+            p = start + r
+            row = attention.fused_attention(
+                qkv[r : r + 1], cos[p : p + 1], sin[p : p + 1], alone, p, HEADS, 6, 0.25
+            )
+            assert torch.equal(row[0], all_rows[r]), r
+        assert torch.equal(alone, together)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_torch_and_is_row_exact(offset):
+    torch.manual_seed(2)
+    x, weight = torch.randn(5, 3, 200) * 4, torch.randn(200)
+    expected = F.rms_norm(x.double(), (200,), (weight + offset).double(), 1e-6)
+    got = layer_ops.rms_norm(x, weight, 1e-6, offset)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer_ops.rms_norm(x[2:3, 1:2], weight, 1e-6, offset)[0, 0], got[2, 1])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_activation_matches_torch(gelu):
+    torch.manual_seed(3)
+    gate_up = torch.randn(6, 2 * 96) * 3
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    got = layer_ops.gated(gate_up, gelu)
+    torch.testing.assert_close(got.double(), act * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer_ops.gated(gate_up[4:5], gelu)[0], got[4])
+
+
+def test_attention_takes_a_column_major_projection():
+    """A narrow product returns its result transposed in memory; the kernel must read it right."""
+    torch.manual_seed(4)
+    cos, sin = rope_table(rope_inv_freq(DIM, 10000.0), LENGTH, torch.float32)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM)
+    tables = cos[4:7], sin[4:7]
+    row_major = attention.fused_attention(
+        qkv, *tables, torch.zeros(2, 2, LENGTH, DIM), 4, HEADS, None, 0.3
+    )
+    column_major = qkv.T.contiguous().T
+    assert column_major.stride(-1) != 1
+    got = attention.fused_attention(
+        column_major, *tables, torch.zeros(2, 2, LENGTH, DIM), 4, HEADS, None, 0.3
+    )
+    assert torch.equal(got, row_major)
