@@ -7,18 +7,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from delspec.kernels import layer_ops
 from delspec.kernels.build import library
 
 
 def available(x: Tensor, head_dim: int) -> bool:
-    """Whether `fused_attention` can take this projection (float32 on CPU, a head size that is a
-    multiple of 8, compiled kernels)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and head_dim % 8 == 0
-        and library() is not None
-    )
+    """Whether `fused_attention` can take this projection: what the layer kernels take
+    (`layer_ops.available`), with a head size that is a multiple of 8."""
+    return head_dim % 8 == 0 and layer_ops.available(x)
 
 
 def fused_attention(

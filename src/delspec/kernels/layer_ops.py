@@ -10,7 +10,8 @@ from delspec.kernels.build import library
 
 
 def available(x: Tensor) -> bool:
-    """Whether these operations can take `x` (float32 on CPU, compiled kernels)."""
+    """Whether the compiled layer kernels (these and `attention`'s) can take `x`: float32 on
+    CPU, with the kernels built."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and library() is not None
 
 
