@@ -11,20 +11,12 @@ import torch
 from test_loading import save_hf_dir
 from tiny_models import tiny_model
 
-from delspec.adapters import (
-    DraftHead,
-    ExitAdapters,
-    default_adapters_path,
-    draft_head,
-    fallback_ranking,
-    load_adapters,
-    save_adapters,
-    top_tokens,
-    vocabulary_sizes,
-)
+from delspec.adapters import ExitAdapters, default_adapters_path, load_adapters, save_adapters
 from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
+from delspec.draft_head import DraftHead, draft_head
+from delspec.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.generate import decode_tokens

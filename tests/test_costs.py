@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.adapters import DraftHead
 from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
+from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
 from delspec.exit_statistics import best_plan, expected_tokens
 from delspec.generate import decode_tokens

@@ -9,7 +9,6 @@ import json
 import pytest
 from tiny_models import tiny_model
 
-from delspec.adapters import draft_head
 from delspec.bench.backends import DelspecBackend
 from delspec.bench.methods import method_config, parse_methods
 from delspec.cli import build_parser, decode_config, main
@@ -23,6 +22,7 @@ from delspec.decode_config import (
     StaticOptions,
     parse_option,
 )
+from delspec.draft_head import draft_head
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError
 from delspec.generate import decode_tokens, generate

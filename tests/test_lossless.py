@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.adapters import DraftHead
 from delspec.decode_config import StaticOptions
+from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
 from delspec.generate import decode_tokens
 from delspec.policies import STRATEGIES, Plan, make_policy

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from test_lossless import AtLevel
 from tiny_models import tiny_model
 
-from delspec.adapters import DraftHead
+from delspec.draft_head import DraftHead
 from delspec.errors import ConfigError
 from delspec.generate import decode_tokens
 from delspec.policies import make_policy

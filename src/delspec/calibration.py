@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.adapters import ExitAdapters, adapt, fallback_ranking, fingerprint
+from delspec.adapters import ExitAdapters, adapt, fingerprint
 from delspec.calibration_prompts import PROMPTS
+from delspec.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel

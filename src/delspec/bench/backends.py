@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
-from delspec.adapters import draft_head
 from delspec.bench.methods import method_config
 from delspec.decode_config import strategy_options
+from delspec.draft_head import draft_head
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
 from delspec.loading import LoadedModel, converted_checkpoint, load_model

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delspec.adapters import draft_head
 from delspec.decode_config import DecodeConfig
+from delspec.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError
 from delspec.generate import encode_prompt
 from delspec.policies import make_policy
