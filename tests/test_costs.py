@@ -1,4 +1,4 @@
-"""Cost models: measured profiles, (E, d) selection by tokens per second, no-draft rounds."""
+"""Cost models: the paper's layer cost, measured profiles (cached), (E, d) by tokens per second."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from tiny_models import tiny_model
 
 from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
+from delspec.engine import ExitHead
 from delspec.exit_statistics import best_plan, expected_tokens
-from delspec.generate import decode_tokens
-from delspec.policies import make_policy
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
@@ -80,22 +78,6 @@ def test_cheap_verification_picks_the_best_layer_and_length():
     assert choose([0.95, 0.5, 0.2], cost) == (2, 5)
 
 
-def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monkeypatch):
-    model = tiny_model(seed=0, shallow=2)
-    policy = make_policy("del", model.num_layers, cost="measured", no_draft=True)
-    # verifying k tokens costs k plain steps: even always-accepted drafts cannot pay
-    slow = profile([1.0 * k for k in range(1, 21)], [0.1 * k for k in range(1, 21)], 0.5)
-    policy.cost = MeasuredCost(slow, model.num_layers)
-    prompt = list(range(3, 20))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=30, trace=True)
-    assert got.token_ids == expected.token_ids
-    plain = [r for r in got.trace if r["exit_layer"] == 0]
-    assert len(plain) >= 25  # after the warm-up round, every round is a plain step
-    # statistics keep updating from plain steps: alpha changes between plain rounds
-    assert plain[0]["alpha"] != plain[-1]["alpha"]
-
-
 class CountingHead(ExitHead):
     calls = 0
 
@@ -134,168 +116,3 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
     (path,) = tmp_path.glob("profile-*.json")
     assert set(json.loads(path.read_text())["draft_heads"]) == {"64", "8,64"}
     assert cached_profile(ExitHead(model), 2, 4, tmp_path) == full
-
-
-def test_shadow_budget_bounds_policy_work_and_stays_lossless():
-    model = tiny_model(seed=3, shallow=2)
-    prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
-    policy = make_policy("del", model.num_layers, shadow_budget=0.05, no_draft=True)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
-    assert got.token_ids == expected.token_ids
-    scored = [r for r in got.trace[1:] if r["scored_layers"]]
-    assert len(scored) < len(got.trace) - 1  # some rounds skip scoring entirely
-
-
-def _policy_with_counts(matched, mismatched, **options):
-    """A measured-cost DEL over exits 2, 5, 8 of a 10-layer model with given decayed counts."""
-    model = tiny_model(seed=0, num_layers=LAYERS)
-    policy = make_policy("del", LAYERS, candidates=EXITS.tolist(), cost="measured", **options)
-    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20), LAYERS)  # GPU-like
-    policy.start(ExitHead(model))
-    policy.stats.matched = torch.tensor(matched, dtype=torch.float64)
-    policy.stats.mismatched = torch.tensor(mismatched, dtype=torch.float64)
-    policy._choose()
-    return policy
-
-
-def test_a_draft_must_promise_the_margin_over_a_plain_step():
-    # alpha(8) = 0.95: E = 8, d = 2 gives 13% more tokens/s than a plain step, above the margin
-    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
-    assert (policy.plan().exit_layer, policy.plan().draft_cap) == (8, 2)
-    # alpha(8) = 0.84: the best draft (E = 8, d = 1) gains 4.4%, less than the 5% default margin
-    policy = _policy_with_counts([2, 5, 84], [8, 5, 16], no_draft=True, prior=0)
-    assert policy.plan().draft_cap == 0 and policy.exit_layer == 8  # still watching layer 8
-    policy = _policy_with_counts([2, 5, 84], [8, 5, 16], no_draft=True, prior=0, margin=0)
-    assert (policy.plan().exit_layer, policy.plan().draft_cap) == (8, 1)
-
-
-def test_the_cost_model_picks_a_larger_draft_vocabulary_where_it_accepts_more():
-    model = tiny_model(seed=0, num_layers=LAYERS)
-    head = DraftHead(model, vocab=[torch.arange(16), torch.arange(32), None])
-    policy = make_policy("del", LAYERS, candidates=EXITS.tolist(), cost="measured", prior=0)
-    # per draft token: 16 rows 0.001 s, 32 rows 0.1 s, the full head 3 s
-    drafts = [0.001, 0.1, 3.0]
-    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, drafts), LAYERS)
-    policy.start(head)
-    assert len(policy.stats.matched) == 9  # (vocabulary, layer) rows, vocabulary-major
-    policy.stats.matched = torch.tensor([2.0, 5.0, 60.0] * 3)
-    policy.stats.mismatched = torch.tensor([8.0, 5.0, 40.0] * 3)
-    policy._choose()
-    assert policy.plan().level == 0  # equal acceptance everywhere: the cheapest vocabulary
-    # layer 8 drafts 95% right from the 32 tokens (and from all), 60% from the 16
-    policy.stats.matched[[5, 8]], policy.stats.mismatched[[5, 8]] = 95.0, 5.0
-    policy._choose()
-    larger = policy.plan()
-    assert (larger.exit_layer, larger.level) == (8, 1) and larger.draft_cap > 1
-    # the paper's layer cost cannot see what a larger vocabulary costs: it keeps the smallest
-    paper = make_policy("del", LAYERS, candidates=EXITS.tolist())
-    paper.start(head)
-    assert paper.levels == 1 and len(paper.stats.matched) == 3 and paper.plan().level == 0
-
-
-def test_shadow_tokens_credit_larger_vocabularies_with_targets_the_smallest_lacks():
-    model = tiny_model(seed=2, num_layers=4)
-    small = torch.arange(8)  # 8 of the 64 tokens
-    head = DraftHead(model, vocab=[small, None], context_vocab=False)
-    policy = make_policy("del", 4, cost="measured", omega=1.0, prior=0)
-    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
-    policy.start(head)
-    hidden = torch.randn(4, 40, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(0))
-    layers = policy.candidates  # 1..4: the final layer drafts cheaply with a pruned head
-    logits = DraftHead(model).shadow(hidden[[e - 1 for e in layers]], layers)
-    best_small = logits[..., :8].max(-1)
-    # targets: layer 1's choice among the 8 tokens, or a token outside them (layer 2's choice,
-    # or another)
-    full_choice = logits[1].argmax(-1)
-    targets = torch.where(torch.arange(40) % 3 == 0, best_small.indices[0], full_choice)
-    targets[2::6] = 40 + torch.arange(len(targets[2::6])) % 20
-    record = Round(0, 0, [], [], 0, [], targets, hidden)  # a plain round: all positions valid
-    policy.observe(record)
-    target_logit = logits.gather(-1, targets.expand(len(layers), -1)[..., None])[..., 0]
-    inside = targets < 8
-    small_match = best_small.indices == targets
-    reach = ~inside & (target_logit >= best_small.values)
-    assert small_match.any() and reach.any() and (~inside & ~reach).any()
-    matched = policy.stats.matched
-    assert matched[: len(layers)].tolist() == small_match.sum(1).double().tolist()
-    assert matched[len(layers) :].tolist() == (small_match | reach).sum(1).double().tolist()
-    assert (matched + policy.stats.mismatched).tolist() == [40.0] * 2 * len(layers)
-
-
-def test_the_prior_keeps_a_layer_seen_a_few_times_from_looking_certain():
-    # layer 2 matched the one position it was scored at; layer 5 matched 97 of 100
-    assert _policy_with_counts([1, 97, 0], [0, 3, 10], prior=0).exit_layer == 2  # alpha 1
-    assert _policy_with_counts([1, 97, 0], [0, 3, 10]).exit_layer == 5  # prior 1: alpha(2) 0.5
-
-
-def test_a_layer_drafts_only_with_enough_evidence():
-    # layer 2 matched the two positions it was scored at; the others never match
-    assert _policy_with_counts([2, 0, 0], [0, 5, 5], no_draft=True, prior=0).exit_layer == 2
-    policy = _policy_with_counts([2, 0, 0], [0, 5, 5], no_draft=True, prior=0, min_evidence=3)
-    assert policy.plan().draft_cap == 0
-    policy = _policy_with_counts([3, 0, 0], [0, 5, 5], no_draft=True, prior=0, min_evidence=3)
-    assert policy.plan().exit_layer == 2 and policy.plan().draft_cap > 0
-
-
-def test_acceptance_in_runs_drafts_longer():
-    # alpha(8) = 0.9; when accepted tokens are followed by accepted ones 98% of the time, a
-    # longer draft pays more than the independent model says
-    plain = _policy_with_counts([0, 0, 90], [10, 10, 10], prior=0)
-    runs = _policy_with_counts([0, 0, 90], [10, 10, 10], prior=0, runs=True)
-    assert plain.exit_layer == runs.exit_layer == 8
-    runs.stats.after_match[2], runs.stats.continued[2] = 50.0, 49.0
-    runs._choose()
-    assert runs.draft_length > plain.draft_length
-
-
-def test_unscored_rounds_count_the_exit_layers_own_drafts():
-    model = tiny_model(seed=3, shallow=2)
-    prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
-    policy = make_policy("del-fast", model.num_layers, shadow_budget=0.01, warmup=4)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
-    assert got.token_ids == expected.token_ids
-    for before, entry in zip(got.trace, got.trace[1:], strict=False):
-        if entry["drafted"] and not entry["scored_layers"]:
-            row = policy.candidates.index(entry["exit_layer"])
-            if entry["accepted"] == entry["drafted"]:  # only matches: alpha cannot fall
-                assert entry["alpha"][row] >= before["alpha"][row]
-            else:  # a rejected draft: alpha cannot rise
-                assert entry["alpha"][row] <= before["alpha"][row]
-    assert any(e["drafted"] and not e["scored_layers"] for e in got.trace)
-
-
-def test_the_warm_up_is_not_charged_to_the_shadow_budget():
-    model = tiny_model(seed=3, shallow=2)
-    policy = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=1, trace=True)
-    (warm_up,) = got.trace
-    assert warm_up["scored_layers"] == model.num_layers - 1  # every candidate of a tiny model
-    assert warm_up["shadow_ms"] > 0 and policy.credit > 0  # credit only grew by the round
-
-
-def test_a_scored_round_takes_only_the_positions_its_credit_affords():
-    model = tiny_model(seed=3, num_layers=LAYERS)
-    policy = make_policy("del", LAYERS, shadow_budget=0.01, no_draft=True)
-    policy.start(ExitHead(model))
-    policy.warm, policy.exit_layer, policy.row_cost = False, 5, 0.001  # 1 ms per (layer, position)
-    hidden = torch.zeros(LAYERS, 12, model.config.hidden_size, dtype=model.dtype)
-    drafts = list(range(11))
-    record = Round(0, 5, drafts, [0.9] * 11, 11, [*drafts, 0], torch.zeros(12).long(), hidden)
-    for credit, rows, positions in ((0.008, 4, 2), (0.024, 4, 6), (0.06, 5, 12), (1.0, 9, 12)):
-        policy.credit = credit
-        chosen, scored = policy._scope(record)
-        assert (len(chosen), len(scored)) == (rows, positions)
-        assert {4, 5, 6} <= {policy.candidates[r] for r in chosen.tolist()}  # E and neighbours
-        assert scored.tolist() == list(range(positions))  # the first of the valid positions
-    policy.credit = 0.0079
-    assert not policy._will_score_next()  # not even 4 layers at 2 positions
-
-
-def test_a_draft_cap_set_by_the_user_bounds_the_optimum():
-    # alpha(8) = 0.95 on a GPU-like profile: d* = 2 caps the draft, unless draft_cap is lower
-    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
-    assert (policy.draft_length, policy.plan().draft_cap) == (2, 2)
-    capped = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0, draft_cap=1)
-    assert (capped.draft_length, capped.plan().draft_cap) == (2, 1)

@@ -12,6 +12,7 @@ from tiny_models import tiny_model
 from delspec.bench.backends import DelspecBackend
 from delspec.bench.methods import method_config, parse_methods
 from delspec.cli import build_parser, decode_config, main
+from delspec.costs import LayerCost
 from delspec.decode_config import (
     PAPER,
     PRESETS,
@@ -29,6 +30,7 @@ from delspec.generate import decode_tokens, generate
 from delspec.loading import LoadedModel
 from delspec.policies import POLICIES, make_policy
 from delspec.policies.dynamic_exit import DynamicExit
+from delspec.policies.fast_dynamic_exit import FastDynamicExit
 from delspec.server.protocol import CompletionRequest
 
 LAYERS = 6
@@ -56,7 +58,7 @@ def test_one_set_of_defaults_the_fast_preset():
     assert config.strategy == "del-fast" and config.options is STRATEGIES["del-fast"]
     assert config.draft == DraftConfig("auto", "auto", True, "auto")
     fast = make_policy(config, 30)
-    assert isinstance(fast, DynamicExit) and fast.name == "del-fast"
+    assert type(fast) is FastDynamicExit and fast.name == "del-fast"
     assert (fast.cost_name, fast.no_draft, fast.shadow_budget, fast.runs) == (
         "measured",
         True,
@@ -74,13 +76,8 @@ def test_the_paper_preset_is_the_papers_del_with_a_plain_exit_head(lm):
     assert PRESETS["paper"] is PAPER and PAPER.strategy == "del"
     assert PAPER.options == DELOptions()
     paper = make_policy(PAPER, 30)
-    assert (paper.cost_name, paper.no_draft, paper.shadow_budget, paper.runs) == (
-        "layers",
-        False,
-        None,
-        False,
-    )
-    assert (paper.warmup_window, paper.omega, paper.prior, paper.margin) == (32, 0.95, 0, 0)
+    assert type(paper) is DynamicExit  # none of del-fast's additions
+    assert (paper.warmup_window, paper.omega, type(paper.cost)) == (32, 0.95, LayerCost)
     assert paper.dynamic_draft and paper.base_candidates == list(range(1, 30))
     head = draft_head(lm, PAPER)
     assert type(head) is ExitHead and not head.int8 and head.vocab is None
@@ -122,6 +119,7 @@ def test_updated_applies_flat_options():
         (dict(strategy="del", gamma_min=5, gamma_max=5), "gamma_min < gamma_max"),
         (dict(strategy="del", shadow_budget=0), r"shadow_budget must be in \(0, 1\]"),
         (dict(strategy="del", prior=-1), "prior must be >= 0"),
+        (dict(strategy="del", min_evidence=-1), "min_evidence must be >= 0"),
         (dict(strategy="del", candidates=[2, "x"]), "candidates must be an integer"),
         (dict(strategy="del", runs="yes"), "runs must be true or false"),
         (dict(draft_vocab="many"), "draft_vocab must be a size, sizes, 'full' or 'auto'"),
@@ -142,8 +140,9 @@ def test_options_of_another_strategy_are_refused():
 
 
 def test_exit_layers_are_checked_against_the_model():
-    with pytest.raises(ConfigError, match=r"exit layer must be in 1\.\.6"):
-        make_policy("static", 6, exit_layer=7)
+    for exit_layer in (0, 7):
+        with pytest.raises(ConfigError, match=r"exit layer must be in 1\.\.6"):
+            make_policy("static", 6, exit_layer=exit_layer)
     with pytest.raises(ConfigError, match=r"exit layer must be in 1\.\.6"):
         make_policy("del", 6, candidates=[2, 9])
     assert make_policy("static", 6).exit_layer == 1  # None: a quarter of the layers, at least 1

@@ -125,7 +125,8 @@ COSTS = ("layers", "measured")
 
 @dataclass(frozen=True)
 class DELOptions(_Options):
-    """`del`, `dele`, `del-fast`: the paper's DEL and what del-fast adds (see `DynamicExit`).
+    """`del`, `dele`, `del-fast`: the paper's DEL (`DynamicExit`) and what del-fast adds
+    (`FastDynamicExit`).
 
     `candidates`: exit layers to choose from (None: every layer). `omega`: decay of the
     statistics; d* is chosen in [`gamma_min`, `gamma_max`) and a draft stops at `draft_cap`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from delspec.decode_config import (
@@ -15,15 +16,24 @@ from delspec.decode_config import (
 )
 from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
+from delspec.policies.fast_dynamic_exit import FastDynamicExit, uses_fast_additions
 from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
 
-# The policy that runs a strategy, by the type of the strategy's options.
-POLICIES: dict[type, type[Policy]] = {
+
+def _dynamic_exit(num_layers: int, options: DELOptions) -> DynamicExit:
+    """The paper's DEL, or `FastDynamicExit` when `options` turn on any of its additions."""
+    policy = FastDynamicExit if uses_fast_additions(options) else DynamicExit
+    return policy(num_layers, options)
+
+
+# What makes the policy that runs a strategy (from the model's depth and the strategy's
+# options), by the type of the strategy's options.
+POLICIES: dict[type, Callable[[int, Any], Policy]] = {
     NoOptions: Autoregressive,
     StaticOptions: Static,
     FSOptions: FiniteStateDraft,
     DVOptions: DraftAndVerify,
-    DELOptions: DynamicExit,
+    DELOptions: _dynamic_exit,
 }
 
 

@@ -1,0 +1,222 @@
+"""What `del-fast` adds to the paper's DEL: measured costs, budgets, and per-round choices.
+
+`FastDynamicExit` runs every `DELOptions` that turns on one of these additions
+(`uses_fast_additions`); the others run the paper's `DynamicExit` unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from delspec.cache import cache_dir
+from delspec.costs import CostProfile, MeasuredCost, cached_profile
+from delspec.decode_config import DELOptions
+from delspec.engine import ExitHead, Round
+from delspec.exit_statistics import best_plan, expected_tokens
+from delspec.policies.base import Plan
+from delspec.policies.dynamic_exit import DynamicExit
+
+WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
+MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
+
+
+def uses_fast_additions(options: DELOptions) -> bool:
+    """Whether `options` turn on anything beyond the paper's DEL (see `FastDynamicExit`)."""
+    return bool(
+        options.cost != "layers"
+        or options.no_draft
+        or options.shadow_budget is not None
+        or options.runs
+        or options.min_evidence
+        or options.prior
+        or options.margin
+    )
+
+
+class FastDynamicExit(DynamicExit):
+    """DEL with del-fast's additions, each an option (all off in the paper's DEL):
+
+    - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
+      this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
+      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
+      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
+      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
+      promise `margin` (default 5%) more tokens per second than a plain step, or the round is
+      plain: estimates from a few positions are noisy, and a wrong draft costs more than a
+      right one gains.
+    - `min_evidence=n`: a layer drafts only once its (decayed) statistics cover n positions, so
+      one lucky match at a cheap layer cannot start drafts that are then rejected.
+    - with `cost="measured"` and an exit head of several draft vocabularies (`ExitHead.vocabs`,
+      smallest first), the plan also picks the vocabulary: a larger one costs more per draft
+      token but can draft more of the reply. Statistics are kept per (vocabulary, layer).
+      Shadow tokens score the smallest vocabulary; a target token it lacks (before the round
+      admitted it to the context) counts as a match for the larger vocabularies that hold it
+      where the layer's logit of it reaches the smallest vocabulary's best (one dot product
+      per such position, not a larger shadow head); drafts count for every vocabulary that
+      held them.
+    - `runs=True`: acceptances come in runs (a token after an accepted one is easier), so the
+      expected tokens of a draft use each layer's acceptance given the previous token's
+      (`ExitStatistics.continuation`) after the first draft token, not alpha for every one.
+    - `no_draft=True`: when d* = 0 (no draft pays), run a plain full step instead of drafting;
+      every layer's statistics still update from that step, so drafting resumes once it pays.
+      Round 0 is then a plain step too (scored at the candidates), not a one-token draft.
+    - `shadow_budget=f`: spend at most about a fraction f of round time on shadow tokens. Only
+      positions in the valid context are decoded, and each round scores the exit layer, its
+      neighbours and a rotating share of the other candidates as the budget allows, over as
+      many of those positions as it allows (rounds may skip scoring altogether; the warm-up
+      scores `WARM_LAYERS` evenly spread candidates and is not charged to the budget); a
+      layer's statistics decay only when it is scored. A round that is not scored still
+      updates the exit layer from its own drafts, which cost nothing to score: the accepted
+      ones matched, the first rejected one did not.
+    """
+
+    def __init__(self, num_layers: int, options: DELOptions) -> None:
+        super().__init__(num_layers, options)
+        o = options
+        measured = o.cost == "measured"
+        self.prior = (1.0 if measured else 0.0) if o.prior is None else o.prior
+        self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
+        self.cost_name, self.no_draft, self.shadow_budget = o.cost, o.no_draft, o.shadow_budget
+        self.runs, self.min_evidence = o.runs, o.min_evidence
+        # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
+        self.cap_at_optimum = measured or not o.dynamic_draft
+        plain = (self.draft_lengths == 0).nonzero()
+        self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
+
+    def start(self, exit_head: ExitHead) -> None:
+        if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
+            self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
+        # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
+        self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
+        super().start(exit_head)
+        self.row_levels = torch.arange(self.levels).repeat_interleave(len(self.candidates))
+        self.collect_hidden = True
+        self.credit = 0.0  # seconds of shadow work the budget allows now
+        self.row_cost = 0.0  # measured seconds per scored (layer, position)
+        self.cursor = 0  # rotation over candidates under a shadow budget
+
+    def _profile(self, exit_head: ExitHead) -> CostProfile:
+        middle = self.base_candidates[len(self.base_candidates) // 2]
+        return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
+
+    def plan(self) -> Plan:
+        if self.no_draft and (self.warm or self.draft_length == 0):
+            return Plan(0, 0)
+        return super().plan()
+
+    def observe(self, record: Round) -> None:
+        start = time.perf_counter()
+        warm = self.warm
+        if self.shadow_budget is not None:
+            self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
+        rows, positions = self._scope(record)
+        if rows is not None:
+            self._score(record, rows, positions)
+            self._choose()
+        elif record.drafted:
+            self._count_drafts(record)
+            self._choose()
+        elapsed = time.perf_counter() - start
+        # The warm-up is a one-off per prompt, like the prefill: it is not charged to the budget.
+        if rows is not None and self.shadow_budget is not None:
+            self.row_cost = elapsed / (len(rows) * len(positions))
+            self.credit -= 0.0 if warm else elapsed
+        if isinstance(self.cost, MeasuredCost) and not warm:
+            self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
+        self.collect_hidden = self._will_score_next()
+        self._annotate(record, elapsed, 0 if rows is None else len(rows))
+
+    def _scope(self, record: Round) -> tuple[Tensor | None, Tensor]:
+        """Candidate rows and record positions to score this round (rows None: skip)."""
+        everything = torch.arange(record.targets.shape[0])
+        if self.shadow_budget is None:
+            return torch.arange(len(self.candidates)), everything
+        if self.warm:  # a spread of candidates, the deepest included; rotation adds the rest
+            spread = torch.linspace(0, len(self.candidates) - 1, WARM_LAYERS)
+            return spread.round().long().unique(), everything
+        if record.hidden is None:
+            return None, everything
+        must = self._must_score()
+        least = len(must) + 1  # + one rotating
+        cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
+        # Only the valid context can count: context + positions whose inputs were all accepted;
+        # of those, the first ones the least rows can afford (MIN_POSITIONS at least).
+        valid = record.context + record.accepted + 1
+        positions = everything[: min(valid, max(cells // least, MIN_POSITIONS))]
+        count = min(len(self.candidates), max(cells // len(positions), least))
+        chosen = dict.fromkeys(must)
+        while len(chosen) < count:
+            chosen.setdefault(self.cursor)
+            self.cursor = (self.cursor + 1) % len(self.candidates)
+        return torch.tensor(sorted(chosen)), positions
+
+    def _must_score(self) -> list[int]:
+        """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
+        here = self.candidates.index(self.exit_layer)
+        return [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
+
+    def _will_score_next(self) -> bool:
+        """Under a budget, collect hidden states only for rounds that can afford scoring: the
+        rows they must score, plus one rotating, at `MIN_POSITIONS` positions."""
+        if self.shadow_budget is None:
+            return True
+        return self.credit >= self.row_cost * (len(self._must_score()) + 1) * MIN_POSITIONS
+
+    def _score(self, record: Round, rows: Tensor, positions: Tensor) -> None:
+        shadow = self._shadow_tokens(record, rows, positions)
+        match, targets = shadow.match, shadow.targets
+        # A target a vocabulary lacked (before the round admitted it) is a miss there; for the
+        # larger ones, would the layer's logit of it beat the smallest vocabulary's best?
+        covered = self.exit_head.covered(targets)[: self.levels]  # [levels, positions]
+        outside = (~covered[0]).nonzero()[:, 0]
+        if self.levels > 1 and len(outside):
+            wanted = targets[outside].to(shadow.hidden.device)
+            hidden = shadow.hidden[:, outside]
+            reach = self.exit_head.token_logits(hidden, shadow.layers, wanted).float()
+            match[:, outside] |= (reach >= shadow.top[:, outside]).cpu()
+        match = (match[None] & covered[:, None]).flatten(0, 1)
+        rows = self._level_rows(rows)
+        self.stats.update(match, shadow.confidence.repeat(self.levels, 1), shadow.valid, rows)
+
+    def _level_rows(self, rows: Tensor) -> Tensor:
+        """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
+        offsets = torch.arange(self.levels)[:, None] * len(self.candidates)
+        return (offsets + rows[None, :]).flatten()
+
+    def _count_drafts(self, record: Round) -> None:
+        """Update the exit layer from the round's drafts: accepted ones, then the first miss;
+        each vocabulary level counts the accepted drafts it held."""
+        seen = min(record.accepted + 1, len(record.drafted))
+        match = torch.arange(seen) < record.accepted
+        match = match[None] & self.exit_head.covered(torch.tensor(record.drafted[:seen]))
+        confidence = torch.tensor(record.confidences[:seen]).repeat(self.levels, 1)
+        rows = self._level_rows(torch.tensor([self.candidates.index(record.exit_layer)]))
+        self.stats.update(
+            match[: self.levels], confidence, torch.ones(seen, dtype=torch.bool), rows
+        )
+
+    def _choose(self) -> None:
+        """The next (E, d*, vocabulary level) by expected tokens per cost, with the runs,
+        min_evidence and margin rules."""
+        count = len(self.candidates)
+        alpha = self.stats.alpha(self.prior)  # [levels * candidates]
+        self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
+        continuation = self.stats.continuation(self.prior) if self.runs else None
+        value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
+            self.exit_layers, self.draft_lengths, self.row_levels
+        )
+        if self.min_evidence and self.plain_column is not None:
+            unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
+            value[unproven] = value[unproven, self.plain_column][:, None]
+        row, column = best_plan(value)
+        plain = self.plain_column
+        if (
+            self.margin
+            and plain is not None
+            and value[row, column] < (1 + self.margin) * value[0, plain]
+        ):  # a plain round (its value is every row's); keep watching the layer agreeing best
+            row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
+        self._take(row, column)
