@@ -22,6 +22,7 @@ from delspec.kernels.build import library
 _T = gguf.GGMLQuantizationType
 # The types the compiled kernels multiply (the others are dequantised at load).
 KERNEL_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
+TILE = 8  # weight rows per tile (`gguf_blocks.c`)
 
 
 def row_bytes(qtype: gguf.GGMLQuantizationType, cols: int) -> int:
@@ -34,15 +35,12 @@ def row_bytes(qtype: gguf.GGMLQuantizationType, cols: int) -> int:
 
 @dataclass(frozen=True)
 class Part:
-    """`rows` consecutive output rows of a weight in one GGUF type: `data` is uint8
-    `[rows, row_bytes]`, C-contiguous."""
+    """`rows` consecutive output rows of a weight in one GGUF type, repacked in tiles of 8 rows
+    (`gguf_blocks.c`): `tiles` is uint8 `[tile bytes]`, C-contiguous."""
 
     qtype: gguf.GGMLQuantizationType
-    data: Tensor
-
-    @property
-    def rows(self) -> int:
-        return self.data.shape[0]
+    tiles: Tensor
+    rows: int
 
 
 class BlockWeight:
@@ -50,42 +48,58 @@ class BlockWeight:
 
     def __init__(self, parts: list[Part], cols: int) -> None:
         for part in parts:
-            if part.qtype not in KERNEL_TYPES:
-                raise ModelFormatError(f"no block kernel for GGUF type {part.qtype.name}")
-            expected = (part.rows, row_bytes(part.qtype, cols))
-            if part.data.dtype != torch.uint8 or tuple(part.data.shape) != expected:
+            expected = tile_bytes(part.qtype, part.rows, cols)
+            if part.tiles.dtype != torch.uint8 or part.tiles.shape != (expected,):
                 raise ModelFormatError(
-                    f"{part.qtype.name} block data of shape {tuple(part.data.shape)} "
-                    f"({part.data.dtype}); {expected[0]} rows of {cols} values need "
-                    f"uint8 {expected}"
+                    f"{part.qtype.name} tiles of shape {tuple(part.tiles.shape)} for "
+                    f"{part.rows} rows of {cols} values (need {expected} bytes)"
                 )
-            if not part.data.is_contiguous() or part.data.device.type != "cpu":
+            if not part.tiles.is_contiguous() or part.tiles.device.type != "cpu":
                 raise ModelFormatError("block data must be a contiguous CPU tensor")
         self.parts = parts
         self.cols = cols
         self.rows = sum(p.rows for p in parts)
-        # per part, the product's fixed arguments: type, blocks, row stride, rows, output offset
+        # per part, the product's fixed arguments: type, tiles, rows, output offset (bytes)
         offsets = [sum(p.rows for p in parts[:i]) * 4 for i in range(len(parts))]
         self._calls = [
-            (int(p.qtype), p.data.data_ptr(), p.data.stride(0), p.rows, offset)
+            (int(p.qtype), p.tiles.data_ptr(), p.rows, offset)
             for p, offset in zip(parts, offsets, strict=True)
         ]
 
     @classmethod
     def from_blocks(cls, qtype: gguf.GGMLQuantizationType, data: Tensor, cols: int) -> BlockWeight:
-        """One part of `qtype` blocks: `data` is uint8 `[rows, row_bytes]`."""
-        return cls([Part(gguf.GGMLQuantizationType(qtype), data.contiguous())], cols)
+        """One part from a GGUF tensor's rows: `data` is uint8 `[rows, row_bytes]` of `qtype`
+        blocks, repacked here into tiles."""
+        qtype = gguf.GGMLQuantizationType(qtype)
+        if qtype not in KERNEL_TYPES:
+            raise ModelFormatError(f"no block kernel for GGUF type {qtype.name}")
+        expected = (data.shape[0] if data.dim() == 2 else -1, row_bytes(qtype, cols))
+        if data.dtype != torch.uint8 or tuple(data.shape) != expected:
+            raise ModelFormatError(
+                f"{qtype.name} block data of shape {tuple(data.shape)} ({data.dtype}); "
+                f"rows of {cols} values need uint8 (rows, {expected[1]})"
+            )
+        data = data.contiguous()
+        rows = data.shape[0]
+        tiles = torch.empty(tile_bytes(qtype, rows, cols), dtype=torch.uint8)
+        status = _library().dl_pack(
+            int(qtype), data.data_ptr(), data.stride(0), rows, cols, tiles.data_ptr()
+        )
+        _check(status, qtype)
+        return cls([Part(qtype, tiles, rows)], cols)
 
     @classmethod
     def stack(cls, weights: list[BlockWeight]) -> BlockWeight:
-        """The weights' rows one after another (same `in`); parts of one type are merged."""
-        parts: list[Part] = []
+        """The weights' rows one after another (same `in`); consecutive parts of one type are
+        merged into one."""
+        runs: list[list[Part]] = []
         for part in (p for w in weights for p in w.parts):
-            if parts and parts[-1].qtype == part.qtype:
-                parts[-1] = Part(part.qtype, torch.cat([parts[-1].data, part.data]))
+            if runs and runs[-1][0].qtype == part.qtype:
+                runs[-1].append(part)
             else:
-                parts.append(part)
-        return cls(parts, weights[0].cols)
+                runs.append([part])
+        cols = weights[0].cols
+        return cls([run[0] if len(run) == 1 else _merged(run, cols) for run in runs], cols)
 
     @property
     def shape(self) -> torch.Size:
@@ -93,48 +107,60 @@ class BlockWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.data.numel() for p in self.parts)
+        return sum(p.tiles.numel() for p in self.parts)
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
     def __getitem__(self, rows: slice | Tensor) -> BlockWeight:
-        """A subset of rows: a slice (views, no copy) or index tensor (a copy of those rows)."""
+        """A subset of rows: a slice starting at a whole tile (views, no copy), or any slice or
+        index tensor (a copy of those rows)."""
         if len(self.parts) != 1:
             raise NotImplementedError("row subsets of a weight with several parts")
         part = self.parts[0]
-        data = part.data[rows] if isinstance(rows, slice) else part.data[rows.cpu()]
-        return BlockWeight([Part(part.qtype, data.contiguous())], self.cols)
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(part.rows)
+            if step == 1 and start % TILE == 0:
+                count = max(stop - start, 0)
+                at = tile_bytes(part.qtype, start, self.cols)
+                size = tile_bytes(part.qtype, count, self.cols)
+                return BlockWeight([Part(part.qtype, part.tiles[at : at + size], count)], self.cols)
+            rows = torch.arange(start, stop, step)
+        index = self._index(rows)
+        tiles = torch.zeros(tile_bytes(part.qtype, len(index), self.cols), dtype=torch.uint8)
+        _gather(part, self.cols, index, tiles, 0)
+        return BlockWeight([Part(part.qtype, tiles, len(index))], self.cols)
 
     def dequantize(self, rows: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """The float values of all rows, or of the listed ones (`[len(rows), in]`)."""
-        lib = _library()
         if rows is None:
             out = torch.empty(self.rows, self.cols)
             start = 0
             for part in self.parts:
-                self._dequantize_part(lib, part, None, out[start : start + part.rows])
+                self._dequantize_part(part, None, out[start : start + part.rows])
                 start += part.rows
             return out.to(dtype)
         if len(self.parts) != 1:
             return self.dequantize().index_select(0, rows.cpu()).to(dtype)
+        index = self._index(rows)
+        out = torch.empty(len(index), self.cols)
+        self._dequantize_part(self.parts[0], index, out)
+        return out.to(dtype)
+
+    def _index(self, rows: Tensor) -> Tensor:
         index = rows.cpu().to(torch.int64).contiguous()
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
-        out = torch.empty(len(index), self.cols)
-        self._dequantize_part(lib, self.parts[0], index, out)
-        return out.to(dtype)
+        return index
 
-    def _dequantize_part(self, lib, part: Part, index: Tensor | None, out: Tensor) -> None:
-        count = part.rows if index is None else len(index)
-        status = lib.dl_dequantize(
+    def _dequantize_part(self, part: Part, index: Tensor | None, out: Tensor) -> None:
+        status = _library().dl_dequantize(
             int(part.qtype),
-            part.data.data_ptr(),
-            part.data.stride(0),
+            part.tiles.data_ptr(),
             self.cols,
             None if index is None else index.data_ptr(),
-            count,
+            part.rows if index is None else len(index),
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -147,23 +173,39 @@ class BlockWeight:
         out = torch.empty(*x.shape[:-1], self.rows)
         x_at, out_at, rows = flat.data_ptr(), out.data_ptr(), flat.numel() // cols
         threads = torch.get_num_threads()
-        for qtype, blocks, stride, part_rows, offset in self._calls:  # the hot path: no more
+        for qtype, tiles, part_rows, offset in self._calls:  # the hot path: no more
             status = matmul(
-                qtype,
-                blocks,
-                stride,
-                part_rows,
-                cols,
-                x_at,
-                cols,
-                rows,
-                out_at + offset,
-                self.rows,
-                threads,
+                qtype, tiles, part_rows, cols, x_at, cols, rows, out_at + offset, self.rows, threads
             )
             if status:
                 _check(status, gguf.GGMLQuantizationType(qtype))
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def tile_bytes(qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> int:
+    """Bytes `rows` rows of `cols` values of `qtype` take in tiles of `TILE` rows."""
+    row_bytes(qtype, cols)  # refuses rows that are not whole blocks
+    return _library().dl_tile_bytes(int(qtype), rows, cols)
+
+
+def _merged(parts: list[Part], cols: int) -> Part:
+    """One part holding the rows of `parts` (of one type) one after another."""
+    qtype, rows = parts[0].qtype, sum(p.rows for p in parts)
+    tiles = torch.zeros(tile_bytes(qtype, rows, cols), dtype=torch.uint8)
+    first = 0
+    for part in parts:
+        _gather(part, cols, torch.arange(part.rows), tiles, first)
+        first += part.rows
+    return Part(qtype, tiles, rows)
+
+
+def _gather(part: Part, cols: int, index: Tensor, tiles: Tensor, first: int) -> None:
+    """Write rows `index` of `part` into `tiles` (of the same type) as rows first.."""
+    status = _library().dl_gather(
+        int(part.qtype), part.tiles.data_ptr(), cols, index.data_ptr(), len(index),
+        tiles.data_ptr(), first,
+    )  # fmt: skip
+    _check(status, part.qtype)
 
 
 def _library() -> ctypes.CDLL:

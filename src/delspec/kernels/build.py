@@ -136,11 +136,15 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.dl_simd_level.restype = i32
-    lib.dl_row_bytes.argtypes = [i32, i64]
-    lib.dl_row_bytes.restype = i64
-    lib.dl_matmul.argtypes = [i32, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+    lib.dl_tile_bytes.argtypes = [i32, i64, i64]
+    lib.dl_tile_bytes.restype = i64
+    lib.dl_pack.argtypes = [i32, p, i64, i64, i64, p]
+    lib.dl_pack.restype = i32
+    lib.dl_gather.argtypes = [i32, p, i64, p, i64, p, i64]
+    lib.dl_gather.restype = i32
+    lib.dl_matmul.argtypes = [i32, p, i64, i64, p, i64, i64, p, i64, i32]
     lib.dl_matmul.restype = i32
-    lib.dl_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.dl_dequantize.argtypes = [i32, p, i64, p, i64, p, i32]
     lib.dl_dequantize.restype = i32
     f32 = ctypes.c_float
     lib.dl_attention.argtypes = [p, i64, p, p, p, p, f32, f32, p, p, p, i32, i32, i32, i32]

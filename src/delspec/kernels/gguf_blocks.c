@@ -1,19 +1,25 @@
-/* Products on GGUF weight blocks as stored: y[m, n] = sum_k x[m, k] * W[n, k].
+/* Products on GGUF weight blocks: y[m, n] = sum_k x[m, k] * W[n, k].
  *
- * x (float32, M rows) is quantised once per call to 8 bits per block of 32 (scale = amax / 127,
- * round to nearest); each output row is then a sum over weight blocks of integer dot products
- * times one float scale per block (and a block minimum times the block's sum of x, for the
- * types that have one). Every weight block of 32 values is read as (unsigned values q,
- * scale s, minimum m) with w = s * q + m per half of 16 (Q6_K has a scale per 16), except Q8_0,
- * whose values are signed.
+ * Weights are repacked once, at load, from the file's blocks into tiles of 8 weight rows with
+ * the same bits per value and the same scales (no float copy): a tile block holds, for 8 rows,
+ * what 8 GGUF blocks hold, interleaved so that one 256-bit vector carries 4 consecutive values of
+ * each of the 8 rows. A product then multiplies a vector of weights by 4 broadcast activation
+ * bytes and sums each row's products in its own 32-bit lane: one pass over a tile serves 8 output
+ * columns with no horizontal sums, and its unpacked weights serve every row of x.
  *
- * Each output element is computed by the same sequence of operations whatever M, the row's
- * place in the call and the thread count: outputs are split over threads by weight row only,
- * rows of x are processed in chunks of at most 8 with the same per-row code, and the build
- * turns off floating-point contraction. So a row's bits never depend on what it is batched with.
+ * x (float32, M rows) is quantised once per call to 8 bits per group of 32 values (scale =
+ * amax / 127, round to nearest). Every weight group of 32 values is (unsigned values q, scale s,
+ * minimum m) with w = s * q + m per half of 16 (Q6_K has a scale per 16), except Q8_0, whose
+ * values are signed; a group's contribution to an output is (s * d_x) * dot(q, q_x) +
+ * m * d_x * sum(q_x), integer dot products and explicit fused multiply-adds.
  *
- * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with AVX-512 VNNI
- * dot products where the CPU has them, or portable C.
+ * Each output element is computed by the same sequence of operations whatever M, the row's place
+ * in the call and the thread count: threads split tiles only, rows of x are taken a few at a time
+ * by the same per-row code, and the build turns off floating-point contraction. So a row's bits
+ * never depend on what it is batched with (a verification of k tokens equals k plain steps).
+ *
+ * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with AVX-512 VNNI dot
+ * products where the CPU has them, or portable C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,14 +30,68 @@
 #endif
 
 #define GROUP 32
+#define TILE 8     /* weight rows per tile */
+#define MAX_ROWS 4 /* rows of x per pass over a tile */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1 /* AVX-512 VNNI dot products on 256-bit vectors */
 #else
 #define VNNI 0
 #endif
-#define MAX_ROWS 8 /* rows of x per inner pass */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+/* ---- layouts ---------------------------------------------------------------------------- */
+
+/* A type's GGUF block and tile block. A tile block holds 8 rows' `values` values: per-row
+ * fields first (float16 scales and minimums, 6-bit K-quant scales as bytes), then each group of
+ * 32 values at head + g * group_bytes:
+ *   low 4 bits as nibbles (128 bytes): value 4v + i of row l (v = 0..7, i = 0..3) in byte
+ *     32 (v / 2) + 4 l + i, the low nibble for even v, the high one for odd v;
+ *   5 bits: then one bit plane (32 bytes): bit v of byte 4 l + i;
+ *   6 bits: then two 2-bit planes (64 bytes): bits 2 (v % 4) of byte 32 (v / 4) + 4 l + i;
+ *   8 bits (Q8_0): one byte per value, 32 v + 4 l + i. */
+typedef struct {
+    int values;      /* per block: 32 or 256 */
+    int gguf_bytes;  /* GGUF block */
+    int tile_bytes;  /* tile block (8 rows) */
+    int bits;        /* 4, 5, 6 or 8 */
+    int head;        /* offset of group 0's values in a tile block */
+    int group_bytes; /* bytes of one group's values (8 rows) */
+} Layout;
+
+static int layout_of(int type, Layout *l) {
+    switch (type) {
+    case Q4_0: *l = (Layout){32, 18, 144, 4, 16, 128}; return 1;
+    case Q4_1: *l = (Layout){32, 20, 160, 4, 32, 128}; return 1;
+    case Q5_0: *l = (Layout){32, 22, 176, 5, 16, 160}; return 1;
+    case Q5_1: *l = (Layout){32, 24, 192, 5, 32, 160}; return 1;
+    case Q8_0: *l = (Layout){32, 34, 272, 8, 16, 256}; return 1;
+    case Q4_K: *l = (Layout){256, 144, 1184, 4, 160, 128}; return 1;
+    case Q5_K: *l = (Layout){256, 176, 1440, 5, 160, 160}; return 1;
+    case Q6_K: *l = (Layout){256, 210, 1680, 6, 144, 192}; return 1;
+    default: return 0;
+    }
+}
+
+/* Per-row fields of a tile block: `count` fields of `size` bytes, row l's at offset + f * 8 *
+ * size + l * size (float16 scales and minimums; K-quant sub-block scales, one byte each). */
+typedef struct {
+    int offset, size, count;
+} Field;
+
+static int fields_of(int type, Field *f) {
+    switch (type) {
+    case Q4_0:
+    case Q5_0:
+    case Q8_0: f[0] = (Field){0, 2, 1}; return 1;
+    case Q4_1:
+    case Q5_1: f[0] = (Field){0, 2, 2}; return 1;
+    case Q4_K:
+    case Q5_K: f[0] = (Field){0, 2, 2}, f[1] = (Field){32, 1, 16}; return 2;
+    case Q6_K: f[0] = (Field){0, 2, 1}, f[1] = (Field){16, 1, 16}; return 2;
+    default: return 0;
+    }
+}
 
 static float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -64,23 +124,6 @@ static float f16_at(const uint8_t *p) {
     return half_to_float(h);
 }
 
-/* Bytes per block and values per block of each type; 0 for a type this file cannot read. */
-static int block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
-static int block_values(int type) { return type >= Q4_K ? 256 : 32; }
-
 /* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
 static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -92,87 +135,136 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* Group g (32 values) of the block at b: values q (unsigned, or signed for Q8_0), and the scale
- * and minimum of each half of 16: w[i] = s[i / 16] * q[i] + m[i / 16]. */
-static void unpack_group(int type, const uint8_t *b, int g, int16_t *q, float *s, float *m) {
+/* The 32 values of group g of a GGUF block (unsigned; Q8_0's as their signed bytes). */
+static void gguf_values(int type, const uint8_t *b, int g, uint8_t *q) {
     switch (type) {
     case Q4_0:
     case Q4_1: {
         const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
-        float d = f16_at(b), mn = type == Q4_0 ? -8.0f * d : f16_at(b + 2);
-        for (int i = 0; i < 16; ++i) {
-            q[i] = qs[i] & 0x0f;
-            q[i + 16] = qs[i] >> 4;
-        }
-        s[0] = s[1] = d;
-        m[0] = m[1] = mn;
+        for (int i = 0; i < 16; ++i) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
         return;
     }
     case Q5_0:
     case Q5_1: {
         const uint8_t *qh = b + (type == Q5_0 ? 2 : 4), *qs = qh + 4;
-        float d = f16_at(b), mn = type == Q5_0 ? -16.0f * d : f16_at(b + 2);
         uint32_t high;
         memcpy(&high, qh, 4);
         for (int i = 0; i < 16; ++i) {
             q[i] = (qs[i] & 0x0f) | (((high >> i) & 1) << 4);
             q[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
         }
-        s[0] = s[1] = d;
-        m[0] = m[1] = mn;
         return;
     }
-    case Q8_0: {
-        const int8_t *qs = (const int8_t *)(b + 2);
-        for (int i = 0; i < 32; ++i) q[i] = qs[i];
-        s[0] = s[1] = f16_at(b);
-        m[0] = m[1] = 0.0f;
-        return;
-    }
+    case Q8_0: memcpy(q, b + 2, 32); return;
     case Q4_K:
     case Q5_K: {
-        float d = f16_at(b), dmin = f16_at(b + 2);
-        const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + (type == Q4_K ? 16 : 48);
-        int sc, mn;
-        k_scale_min(scales, g, &sc, &mn);
-        const uint8_t *bytes = ql + 32 * (g / 2);
+        const uint8_t *qh = b + 16, *bytes = b + (type == Q4_K ? 16 : 48) + 32 * (g / 2);
         for (int i = 0; i < 32; ++i) {
             int v = g % 2 ? bytes[i] >> 4 : bytes[i] & 0x0f;
             if (type == Q5_K) v |= ((qh[i] >> g) & 1) << 4;
-            q[i] = (int16_t)v;
+            q[i] = (uint8_t)v;
         }
-        s[0] = s[1] = d * (float)sc;
-        m[0] = m[1] = -(dmin * (float)mn);
         return;
     }
     case Q6_K: {
         const uint8_t *ql = b + 64 * (g / 4), *qh = b + 128 + 32 * (g / 4);
-        const int8_t *scales = (const int8_t *)(b + 192) + 8 * (g / 4);
-        float d = f16_at(b + 208);
         int part = g % 4; /* 0: ql low, 1: ql+32 low, 2: ql high, 3: ql+32 high */
         const uint8_t *lo = ql + (part % 2) * 32;
         for (int i = 0; i < 32; ++i) {
             int low = part < 2 ? lo[i] & 0x0f : lo[i] >> 4;
-            q[i] = (int16_t)(low | (((qh[i] >> (2 * part)) & 3) << 4));
-        }
-        for (int h = 0; h < 2; ++h) {
-            s[h] = d * (float)scales[2 * part + h];
-            m[h] = -32.0f * s[h];
+            q[i] = (uint8_t)(low | (((qh[i] >> (2 * part)) & 3) << 4));
         }
         return;
     }
     }
 }
 
+/* Value `col` (0..31) of row l in a tile group's value area, read or written. */
+static uint8_t tile_value(const Layout *L, const uint8_t *area, int l, int col) {
+    int v = col / 4, at = 4 * l + col % 4;
+    if (L->bits == 8) return area[32 * v + at];
+    uint8_t byte = area[32 * (v / 2) + at], q = v % 2 ? byte >> 4 : byte & 0x0f;
+    if (L->bits == 5) q |= ((area[128 + at] >> v) & 1) << 4;
+    if (L->bits == 6) q |= ((area[128 + 32 * (v / 4) + at] >> (2 * (v % 4))) & 3) << 4;
+    return q;
+}
+
+static void set_tile_value(const Layout *L, uint8_t *area, int l, int col, uint8_t q) {
+    int v = col / 4, at = 4 * l + col % 4;
+    if (L->bits == 8) {
+        area[32 * v + at] = q;
+        return;
+    }
+    uint8_t *byte = area + 32 * (v / 2) + at;
+    *byte = v % 2 ? (uint8_t)((*byte & 0x0f) | (q & 0x0f) << 4) : (uint8_t)((*byte & 0xf0) | (q & 0x0f));
+    if (L->bits == 5) {
+        uint8_t *plane = area + 128 + at;
+        *plane = (uint8_t)((*plane & ~(1 << v)) | ((q >> 4) & 1) << v);
+    } else if (L->bits == 6) {
+        uint8_t *plane = area + 128 + 32 * (v / 4) + at;
+        int shift = 2 * (v % 4);
+        *plane = (uint8_t)((*plane & ~(3 << shift)) | ((q >> 4) & 3) << shift);
+    }
+}
+
+/* Row l's fields of a tile block from a GGUF block (the tile block's fields start zeroed). */
+static void put_fields(int type, const uint8_t *b, uint8_t *t, int l) {
+    switch (type) {
+    case Q4_1:
+    case Q5_1: memcpy(t + 16 + 2 * l, b + 2, 2); /* fall through: the scale */
+    case Q4_0:
+    case Q5_0:
+    case Q8_0: memcpy(t + 2 * l, b, 2); return;
+    case Q4_K:
+    case Q5_K:
+        memcpy(t + 2 * l, b, 2);
+        memcpy(t + 16 + 2 * l, b + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            t[32 + 8 * j + l] = (uint8_t)sc;
+            t[96 + 8 * j + l] = (uint8_t)mn;
+        }
+        return;
+    case Q6_K:
+        memcpy(t + 2 * l, b + 208, 2);
+        for (int k = 0; k < 16; ++k) t[16 + 8 * k + l] = b[192 + k];
+        return;
+    }
+}
+
+/* Row l's scale and minimum for each half of group g of a tile block: w = s * q + m. Q8_0's
+ * values are signed and its minimum zero. */
+static void tile_scales(int type, const uint8_t *t, int l, int g, float *s, float *m) {
+    float d = f16_at(t + 2 * l);
+    switch (type) {
+    case Q4_0: s[0] = s[1] = d, m[0] = m[1] = -8.0f * d; return;
+    case Q5_0: s[0] = s[1] = d, m[0] = m[1] = -16.0f * d; return;
+    case Q4_1:
+    case Q5_1: s[0] = s[1] = d, m[0] = m[1] = f16_at(t + 16 + 2 * l); return;
+    case Q8_0: s[0] = s[1] = d, m[0] = m[1] = 0.0f; return;
+    case Q4_K:
+    case Q5_K:
+        s[0] = s[1] = d * (float)t[32 + 8 * g + l];
+        m[0] = m[1] = -(f16_at(t + 16 + 2 * l) * (float)t[96 + 8 * g + l]);
+        return;
+    case Q6_K:
+        for (int h = 0; h < 2; ++h) {
+            s[h] = d * (float)(int8_t)t[16 + 8 * (2 * g + h) + l];
+            m[h] = -32.0f * s[h];
+        }
+        return;
+    }
+}
+
 /* ---- activations ------------------------------------------------------------------------ */
 
-/* x quantised per block of 32, with each block's scale and sums laid out as the eight float
- * lanes the AVX2 loop multiplies with: d8 = the scale eight times; sum8 = a quarter of
- * d * (sum of q) over the first half of the block in lanes 0-3, over the second in lanes 4-7. */
+/* x quantised per group of 32: values q [M][K], and per row and group the scale d and d times
+ * the sum of q over the group (`sum`) and over each half (`half`, [M][G][2]). */
 typedef struct {
-    int8_t *q;    /* [M][K] */
-    float *d8;    /* [M][K / 32][8] */
-    float *sum8;  /* [M][K / 32][8] */
+    int8_t *q;
+    float *d, *sum, *half;
+    int64_t K, G;
 } Activations;
 
 /* Points `a` at this thread's scratch space for M rows of K values (grown as needed, kept for
@@ -180,87 +272,87 @@ typedef struct {
 static int scratch_activations(Activations *a, int64_t M, int64_t K) {
     static __thread void *buffer = NULL;
     static __thread size_t capacity = 0;
-    size_t lanes = (size_t)(M * (K / GROUP) * 8), need = (size_t)(M * K) + 2 * lanes * 4 + 64;
+    size_t G = (size_t)(K / GROUP), need = (size_t)(M * K) + 4 * (size_t)M * G * 4 + 64;
     if (need > capacity) {
         free(buffer);
-        buffer = aligned_alloc(64, (need + 63) / 64 * 64);
-        capacity = buffer ? (need + 63) / 64 * 64 : 0;
-        if (!buffer) return -2;
+        capacity = (need + 63) / 64 * 64;
+        buffer = aligned_alloc(64, capacity);
+        if (!buffer) {
+            capacity = 0;
+            return -2;
+        }
     }
-    a->d8 = buffer;
-    a->sum8 = a->d8 + lanes;
-    a->q = (int8_t *)(a->sum8 + lanes);
+    a->d = buffer;
+    a->sum = a->d + M * G;
+    a->half = a->sum + M * G;
+    a->q = (int8_t *)(a->half + 2 * M * G);
+    a->K = K, a->G = (int64_t)G;
     return 0;
 }
 
-static void quantise_rows(const float *x, int64_t ldx, int M, int K, Activations *a) {
-    int groups = K / GROUP;
-    for (int r = 0; r < M; ++r) {
-        const float *row = x + (int64_t)r * ldx;
-        for (int g = 0; g < groups; ++g) {
-            const float *v = row + g * GROUP;
+static void quantise_rows(const float *x, int64_t ldx, int64_t M, Activations *a) {
+    for (int64_t r = 0; r < M; ++r) {
+        for (int64_t g = 0; g < a->G; ++g) {
+            const float *v = x + r * ldx + g * GROUP;
             float amax = 0.0f;
             for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
             float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = a->q + (int64_t)r * K + g * GROUP;
+            int8_t *q = a->q + r * a->K + g * GROUP;
             int sums[2] = {0, 0};
             for (int i = 0; i < GROUP; ++i) {
                 q[i] = (int8_t)lrintf(v[i] * inv);
                 sums[i / 16] += q[i];
             }
-            float *d8 = a->d8 + ((int64_t)r * groups + g) * 8;
-            float *sum8 = a->sum8 + ((int64_t)r * groups + g) * 8;
-            for (int l = 0; l < 8; ++l) {
-                d8[l] = d;
-                sum8[l] = 0.25f * (d * (float)sums[l / 4]);
-            }
+            int64_t at = r * a->G + g;
+            a->d[at] = d;
+            a->sum[at] = d * (float)(sums[0] + sums[1]);
+            a->half[2 * at] = d * (float)sums[0];
+            a->half[2 * at + 1] = d * (float)sums[1];
         }
     }
 }
 
 /* ---- portable product ------------------------------------------------------------------- */
 #ifndef __AVX2__
-static void row_portable(int type, const uint8_t *w, int K, const Activations *a, int K_ld,
-                         int rows, float *out) {
-    int bb = block_bytes(type), per = block_values(type) / GROUP, groups = K / GROUP;
-    int16_t q[GROUP];
-    float s[2], m[2];
-    float acc[MAX_ROWS] = {0};
-    for (int g = 0; g < groups; ++g) {
-        unpack_group(type, w + (int64_t)(g / per) * bb, g % per, q, s, m);
+/* out[r][l] for the 8 rows of one tile and `rows` rows of x. */
+static void tile_portable(int type, const Layout *L, const uint8_t *tile, const Activations *a,
+                          int rows, float out[MAX_ROWS][TILE]) {
+    int per = L->values / GROUP;
+    for (int l = 0; l < TILE; ++l) {
         for (int r = 0; r < rows; ++r) {
-            const int8_t *x = a->q + (int64_t)r * K_ld + g * GROUP;
-            int32_t dot[2] = {0, 0};
-            for (int i = 0; i < GROUP; ++i) dot[i / 16] += (int32_t)q[i] * x[i];
-            const float *d8 = a->d8 + ((int64_t)r * groups + g) * 8;
-            const float *sum8 = a->sum8 + ((int64_t)r * groups + g) * 8;
-            acc[r] += (s[0] * d8[0]) * (float)dot[0] + (s[1] * d8[0]) * (float)dot[1];
-            for (int l = 0; l < 8; ++l) acc[r] += m[l / 4] * sum8[l];
+            float acc = 0.0f, accm = 0.0f;
+            for (int64_t g = 0; g < a->G; ++g) {
+                const uint8_t *t = tile + (g / per) * L->tile_bytes;
+                const uint8_t *area = t + L->head + (g % per) * L->group_bytes;
+                float s[2], m[2];
+                tile_scales(type, t, l, (int)(g % per), s, m);
+                const int8_t *x = a->q + r * a->K + g * GROUP;
+                int32_t dot[2] = {0, 0};
+                for (int i = 0; i < GROUP; ++i) {
+                    uint8_t q = tile_value(L, area, l, i);
+                    dot[i / 16] += (type == Q8_0 ? (int32_t)(int8_t)q : (int32_t)q) * x[i];
+                }
+                float dx = a->d[r * a->G + g];
+                const float *half = a->half + 2 * (r * a->G + g);
+                if (type == Q6_K) {
+                    acc += (s[0] * dx) * (float)dot[0];
+                    acc += (s[1] * dx) * (float)dot[1];
+                    accm += m[0] * half[0];
+                    accm += m[1] * half[1];
+                } else {
+                    acc += (s[0] * dx) * (float)(dot[0] + dot[1]);
+                    accm += m[0] * a->sum[r * a->G + g];
+                }
+            }
+            out[r][l] = acc + accm;
         }
     }
-    for (int r = 0; r < rows; ++r) out[r] = acc[r];
 }
-#define row_dispatch row_portable
+#define tile_product(type, L, tile, a, rows, out) tile_portable(type, L, tile, a, rows, out)
 #endif
 
 /* ---- AVX2 product ----------------------------------------------------------------------- */
 #ifdef __AVX2__
-
-/* Eight int32 sums of four u8 x s8 products each (bytes 4j..4j+3 into lane j). */
-static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 
@@ -268,152 +360,182 @@ static inline __m256i high_nibbles(__m256i v) {
     return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
 }
 
-/* 16 packed bytes -> 32 values: low nibbles (values 0..15), then high nibbles (16..31). */
-static inline __m256i nibbles_32(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return low_nibbles(both);
+/* bits [at, at + width) of each byte moved to bits [4, 4 + width) */
+static inline __m256i bits_to_4(__m256i v, int at, int width) {
+    v = _mm256_and_si256(v, _mm256_set1_epi8((char)(((1 << width) - 1) << at)));
+    return at <= 4 ? _mm256_slli_epi16(v, 4 - at) : _mm256_srli_epi16(v, at - 4);
 }
 
-/* 0x10 in byte i where bit i of the 32-bit word at p is set. */
-static inline __m256i bit_16s(const uint8_t *p) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
-                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
-    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+static inline __m256 load_halves8(const uint8_t *p) { /* 8 float16 -> 8 floats */
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-static inline __m256 halves(float lo, float hi) {
-    return _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
+static inline __m256 load_bytes8(const uint8_t *p) { /* 8 unsigned bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* Group g of weight row w as 32 byte values q with the scale `sv` and minimum `mv` of each half
- * per lane (lanes 0-3: first half, 4-7: second): w = s * q + m. Q8_0's values are signed (and its
- * minimum zero) except under VNNI, where they are shifted to q + 128 with m = -128 d. */
-static inline __attribute__((always_inline)) void unpack_avx2(int type, const uint8_t *w, int g,
-                                                               __m256i *qv, __m256 *sv,
-                                                               __m256 *mv) {
+static inline __m256 load_signed8(const uint8_t *p) { /* 8 signed bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One tile group's scales and minimums per row of the tile (32-bit lane), for each half. */
+typedef struct {
+    __m256 s[2], m[2];
+} Scales;
+
+static inline __attribute__((always_inline)) void group_scales(int type, const uint8_t *t, int j,
+                                                                Scales *S) {
+    __m256 d = load_halves8(t);
     switch (type) {
-    case Q4_0:
+    case Q4_0: S->s[0] = d, S->m[0] = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); break;
+    case Q5_0: S->s[0] = d, S->m[0] = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f)); break;
     case Q4_1:
-    case Q5_0:
-    case Q5_1:
-    case Q8_0: {
-        const uint8_t *b = w + (int64_t)g * block_bytes(type);
-        float d = f16_at(b);
-        *sv = _mm256_set1_ps(d);
-        if (type == Q8_0) {
-            *qv = _mm256_loadu_si256((const __m256i *)(b + 2));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            *qv = _mm256_xor_si256(*qv, _mm256_set1_epi8((char)0x80));
-            *mv = _mm256_set1_ps(-128.0f * d);
-#else
-            *mv = _mm256_setzero_ps();
-#endif
-        } else if (type == Q4_0 || type == Q4_1) {
-            *mv = _mm256_set1_ps(type == Q4_0 ? -8.0f * d : f16_at(b + 2));
-            *qv = nibbles_32(b + (type == Q4_0 ? 2 : 4));
-        } else {
-            const uint8_t *qh = b + (type == Q5_0 ? 2 : 4);
-            *mv = _mm256_set1_ps(type == Q5_0 ? -16.0f * d : f16_at(b + 2));
-            *qv = _mm256_or_si256(nibbles_32(qh + 4), bit_16s(qh));
-        }
-        return;
-    }
+    case Q5_1: S->s[0] = d, S->m[0] = load_halves8(t + 16); break;
+    case Q8_0: /* under VNNI the values are read as q + 128, with minimum -128 d */
+        S->s[0] = d, S->m[0] = _mm256_mul_ps(d, _mm256_set1_ps(VNNI ? -128.0f : 0.0f));
+        break;
     case Q4_K:
-    case Q5_K: {
-        const uint8_t *b = w + (int64_t)(g / 8) * block_bytes(type);
-        int j = g % 8, sc, mn;
-        k_scale_min(b + 4, j, &sc, &mn);
-        __m256i bytes = _mm256_loadu_si256(
-            (const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (j / 2)));
-        *qv = j % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
-        if (type == Q5_K) { /* bit j of each qh byte -> 0x10 */
-            __m256i high = _mm256_loadu_si256((const __m256i *)(b + 16));
-            __m256i bit = _mm256_and_si256(high, _mm256_set1_epi8((char)(1 << j)));
-            bit = _mm256_cmpeq_epi8(bit, _mm256_set1_epi8((char)(1 << j)));
-            *qv = _mm256_or_si256(*qv, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+    case Q5_K:
+        S->s[0] = _mm256_mul_ps(d, load_bytes8(t + 32 + 8 * j));
+        S->m[0] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                _mm256_mul_ps(load_halves8(t + 16), load_bytes8(t + 96 + 8 * j)));
+        break;
+    case Q6_K:
+        for (int h = 0; h < 2; ++h) {
+            S->s[h] = _mm256_mul_ps(d, load_signed8(t + 16 + 8 * (2 * j + h)));
+            S->m[h] = _mm256_mul_ps(S->s[h], _mm256_set1_ps(-32.0f));
         }
-        *sv = _mm256_set1_ps(f16_at(b) * (float)sc);
-        *mv = _mm256_set1_ps(-(f16_at(b + 2) * (float)mn));
-        return;
+        break;
     }
-    case Q6_K: {
-        const uint8_t *b = w + (int64_t)(g / 8) * 210;
-        int half = (g % 8) / 4, part = g % 4; /* 0: ql low, 1: ql+32 low, 2: ql high, 3: ql+32 high */
-        __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (part % 2)));
-        __m256i hv = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-        __m256i two = part == 0   ? _mm256_slli_epi16(hv, 4)
-                      : part == 1 ? _mm256_slli_epi16(hv, 2)
-                      : part == 2 ? hv
-                                  : _mm256_srli_epi16(hv, 2);
-        two = _mm256_and_si256(two, _mm256_set1_epi8(0x30));
-        *qv = _mm256_or_si256(part < 2 ? low_nibbles(bytes) : high_nibbles(bytes), two);
-        const int8_t *scales = (const int8_t *)(b + 192) + 8 * half + 2 * part;
-        float d = f16_at(b + 208), s0 = d * (float)scales[0], s1 = d * (float)scales[1];
-        *sv = halves(s0, s1);
-        *mv = halves(-32.0f * s0, -32.0f * s1);
-        return;
-    }
-    }
+    if (type != Q6_K) S->s[1] = S->s[0], S->m[1] = S->m[0];
 }
 
-/* out[r] = W . x[r] for one weight row and `rows` rows of x, by the same operations in the same
- * order whatever `rows`: per group, acc += (s * d) * dot and accm += m * sum (two accumulators,
- * so that the two multiply-adds of a group do not wait on each other). */
-static inline __attribute__((always_inline)) void row_avx2(int type, const uint8_t *w, int K,
-                                                            const Activations *a, int K_ld,
-                                                            int rows, float *out) {
-    const int8_t *xq = a->q;
-    const float *xd8 = a->d8, *xs8 = a->sum8;
-    int groups = K / GROUP;
-    /* Q8_0 without VNNI: signed values, no minimum; maddubs takes |q| and x with q's sign */
-    int sign = type == Q8_0 && !VNNI;
-    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; ++g) {
-        __m256i qv = _mm256_setzero_si256();
-        __m256 sv = _mm256_setzero_ps(), mv = sv;
-        unpack_avx2(type, w, g, &qv, &sv, &mv);
-#pragma GCC unroll 8
+/* Vector v (values 4v..4v+3 of each row of the tile) of a group's value area. */
+static inline __attribute__((always_inline)) __m256i group_vector(int type, const Layout *L,
+                                                                   const uint8_t *area, int v) {
+    if (L->bits == 8) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(area + 32 * v));
+        return VNNI ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
+    }
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(area + 32 * (v / 2)));
+    __m256i w = v % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
+    if (L->bits == 5)
+        w = _mm256_or_si256(w, bits_to_4(_mm256_loadu_si256((const __m256i *)(area + 128)), v, 1));
+    if (L->bits == 6) {
+        __m256i plane = _mm256_loadu_si256((const __m256i *)(area + 128 + 32 * (v / 4)));
+        w = _mm256_or_si256(w, bits_to_4(plane, 2 * (v % 4), 2));
+    }
+    (void)type;
+    return w;
+}
+
+static inline __m256i broadcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Per row of x and row of the tile (32-bit lane), the integer dot products of a group's values
+ * with x's 32 values: lo[r] for the whole group, or for Q6_K the first half in lo[r] and the
+ * second in hi[r]. The weights are unpacked once for all rows. */
+static inline __attribute__((always_inline)) void group_dots(int type, const Layout *L,
+                                                              const uint8_t *area,
+                                                              const int8_t *const *x, int rows,
+                                                              __m256i *lo, __m256i *hi) {
+    for (int r = 0; r < rows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+#if VNNI
+    for (int v = 0; v < 8; ++v) {
+        __m256i w = group_vector(type, L, area, v);
         for (int r = 0; r < rows; ++r) {
-            const int64_t at = ((int64_t)r * groups + g) * 8;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K_ld + g * GROUP));
-            __m256i dot = sign ? dot_u8_s8(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv))
-                               : dot_u8_s8(qv, xv);
-            __m256 scale = _mm256_mul_ps(sv, _mm256_loadu_ps(xd8 + at));
-            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);
-            if (!sign) accm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs8 + at), accm[r]);
+            __m256i *sum = type == Q6_K && v >= 4 ? &hi[r] : &lo[r];
+            *sum = _mm256_dpbusd_epi32(*sum, w, broadcast4(x[r] + 4 * v));
         }
     }
-    for (int r = 0; r < rows; ++r) out[r] = hsum(_mm256_add_ps(acc[r], accm[r]));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == Q8_0) { /* |w| times x with w's sign; each pair of products fits in 16 bits */
+        for (int v = 0; v < 8; ++v) {
+            __m256i w = group_vector(type, L, area, v), magnitude = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < rows; ++r) {
+                __m256i p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(x[r] + 4 * v), w));
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        return;
+    }
+    /* values below 2^bits: 16-bit sums of `run` pairs of products cannot overflow */
+    const int run = L->bits == 4 ? 8 : L->bits == 5 ? 4 : 2;
+    __m256i w[8];
+    for (int v = 0; v < 8; ++v) w[v] = group_vector(type, L, area, v);
+    for (int r = 0; r < rows; ++r) {
+        for (int v0 = 0; v0 < 8; v0 += run) {
+            __m256i p = _mm256_maddubs_epi16(w[v0], broadcast4(x[r] + 4 * v0));
+            for (int v = v0 + 1; v < v0 + run; ++v)
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[v], broadcast4(x[r] + 4 * v)));
+            __m256i *sum = type == Q6_K && v0 >= 4 ? &hi[r] : &lo[r];
+            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(p, ones));
+        }
+    }
+#endif
+}
+
+/* out[r][l] = W[l] . x[r] for the 8 rows of one tile and `rows` (<= MAX_ROWS) rows of x, each
+ * row by the same operations in the same order whatever `rows`. */
+static inline __attribute__((always_inline)) void tile_avx2(int type, const Layout *L,
+                                                             const uint8_t *tile,
+                                                             const Activations *a, int rows,
+                                                             float out[MAX_ROWS][TILE]) {
+    __m256 acc[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    int per = L->values / GROUP;
+    for (int64_t g = 0; g < a->G; ++g) {
+        const uint8_t *t = tile + (g / per) * L->tile_bytes;
+        int j = (int)(g % per);
+        const int8_t *x[MAX_ROWS];
+        for (int r = 0; r < rows; ++r) x[r] = a->q + r * a->K + g * GROUP;
+        __m256i lo[MAX_ROWS], hi[MAX_ROWS];
+        group_dots(type, L, t + L->head + j * L->group_bytes, x, rows, lo, hi);
+        Scales S;
+        group_scales(type, t, j, &S);
+        for (int r = 0; r < rows; ++r) {
+            int64_t at = r * a->G + g;
+            __m256 dx = _mm256_broadcast_ss(a->d + at);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(S.s[0], dx), _mm256_cvtepi32_ps(lo[r]), acc[r]);
+            if (type == Q6_K) {
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(S.s[1], dx), _mm256_cvtepi32_ps(hi[r]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(S.m[0], _mm256_broadcast_ss(a->half + 2 * at), acc[r]);
+                acc[r] = _mm256_fmadd_ps(S.m[1], _mm256_broadcast_ss(a->half + 2 * at + 1), acc[r]);
+            } else if (type != Q8_0 || VNNI) {
+                acc[r] = _mm256_fmadd_ps(S.m[0], _mm256_broadcast_ss(a->sum + at), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out[r], acc[r]);
 }
 
 /* One specialised copy per type and row count, so that the unpacking is inlined and the
  * accumulators stay in registers. */
 #define ROWS_CASE(t, n)                                                                      \
-    case n: row_avx2(t, w, K, a, K_ld, n, out); return;
-#define ROW_COUNTS(t)                                                                        \
-    switch (rows) {                                                                          \
-        ROWS_CASE(t, 1) ROWS_CASE(t, 2) ROWS_CASE(t, 3) ROWS_CASE(t, 4) ROWS_CASE(t, 5)       \
-        ROWS_CASE(t, 6) ROWS_CASE(t, 7) ROWS_CASE(t, 8)                                      \
-    }                                                                                        \
-    return;
-static void row_dispatch(int type, const uint8_t *w, int K, const Activations *a, int K_ld,
-                         int rows, float *out) {
+    case n: tile_avx2(t, &L, tile, a, n, out); return;
+#define TYPE_CASE(t)                                                                         \
+    case t: {                                                                                \
+        Layout L;                                                                            \
+        layout_of(t, &L);                                                                    \
+        switch (rows) { ROWS_CASE(t, 1) ROWS_CASE(t, 2) ROWS_CASE(t, 3) ROWS_CASE(t, 4) }    \
+        return;                                                                              \
+    }
+static void tile_product(int type, const Layout *unused, const uint8_t *tile,
+                         const Activations *a, int rows, float out[MAX_ROWS][TILE]) {
+    (void)unused;
     switch (type) {
-    case Q4_0: ROW_COUNTS(Q4_0)
-    case Q4_1: ROW_COUNTS(Q4_1)
-    case Q5_0: ROW_COUNTS(Q5_0)
-    case Q5_1: ROW_COUNTS(Q5_1)
-    case Q8_0: ROW_COUNTS(Q8_0)
-    case Q4_K: ROW_COUNTS(Q4_K)
-    case Q5_K: ROW_COUNTS(Q5_K)
-    case Q6_K: ROW_COUNTS(Q6_K)
+        TYPE_CASE(Q4_0)
+        TYPE_CASE(Q4_1)
+        TYPE_CASE(Q5_0)
+        TYPE_CASE(Q5_1)
+        TYPE_CASE(Q8_0)
+        TYPE_CASE(Q4_K)
+        TYPE_CASE(Q5_K)
+        TYPE_CASE(Q6_K)
     }
 }
 #endif
@@ -422,7 +544,7 @@ static void row_dispatch(int type, const uint8_t *w, int K, const Activations *a
 
 /* Which instruction path this build uses: 2 = AVX-512 VNNI dot products, 1 = AVX2, 0 = C. */
 int dl_simd_level(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if VNNI
     return 2;
 #elif defined(__AVX2__)
     return 1;
@@ -431,55 +553,124 @@ int dl_simd_level(void) {
 #endif
 }
 
-/* Bytes one row of K values takes in `type`; 0 when unsupported or K is not whole blocks. */
-int64_t dl_row_bytes(int type, int64_t K) {
-    int bb = block_bytes(type), bv = block_values(type);
-    return bb && K % bv == 0 ? K / bv * bb : 0;
+/* Bytes of N rows of K values of `type` repacked in tiles; 0 when unsupported or K is not
+ * whole blocks. */
+int64_t dl_tile_bytes(int type, int64_t N, int64_t K) {
+    Layout L;
+    if (!layout_of(type, &L) || K <= 0 || K % L.values) return 0;
+    return (N + TILE - 1) / TILE * (K / L.values) * L.tile_bytes;
 }
 
-/* Output column y[.][0] of one weight row for all M rows of x, in chunks of MAX_ROWS. */
-static void weight_row(int type, const uint8_t *w, int64_t K, const Activations *a, int64_t M,
-                       float *y, int64_t ldy) {
-    int64_t groups = K / GROUP;
-    float out[MAX_ROWS];
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-        Activations part = {a->q + m0 * K, a->d8 + m0 * groups * 8, a->sum8 + m0 * groups * 8};
-        row_dispatch(type, w, (int)K, &part, (int)K, rows, out);
-        for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy] = out[r];
+/* Repack N GGUF rows (row_stride bytes apart) of K values into tiles (dl_tile_bytes bytes). */
+int dl_pack(int type, const uint8_t *rows, int64_t row_stride, int64_t N, int64_t K,
+            uint8_t *tiles) {
+    int64_t total = dl_tile_bytes(type, N, K);
+    if (!total) return -1;
+    Layout L;
+    layout_of(type, &L);
+    memset(tiles, 0, (size_t)total);
+    int64_t blocks = K / L.values, per = L.values / GROUP;
+    uint8_t q[GROUP];
+    for (int64_t n = 0; n < N; ++n) {
+        int l = (int)(n % TILE);
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *src = rows + n * row_stride + b * L.gguf_bytes;
+            uint8_t *t = tiles + ((n / TILE) * blocks + b) * L.tile_bytes;
+            put_fields(type, src, t, l);
+            for (int g = 0; g < per; ++g) {
+                gguf_values(type, src, g, q);
+                for (int i = 0; i < GROUP; ++i) set_tile_value(&L, t + L.head + g * L.group_bytes, l, i, q[i]);
+            }
+        }
     }
-}
-
-/* y[m * ldy + n] = x[m] . W[n] for m < M, n < N. W: N rows of `row_stride` bytes. Returns 0, or
- * -1 for an unsupported type or shape, -2 when out of memory. */
-int dl_matmul(int type, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
-              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-    if (!dl_row_bytes(type, K) || K % GROUP) return -1;
-    Activations a;
-    if (scratch_activations(&a, M, K)) return -2;
-    quantise_rows(x, ldx, (int)M, (int)K, &a);
-    /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
-     * only its current chunk, not a fixed half of the rows */
-    int64_t chunk = N / ((int64_t)threads * 16) > 32 ? N / ((int64_t)threads * 16) : 32;
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && N >= 64)
-    for (int64_t n = 0; n < N; ++n) weight_row(type, w + n * row_stride, K, &a, M, y + n, ldy);
     return 0;
 }
 
-/* out[r * K + k] = W[rows[r], k] (float32); rows == NULL means rows 0..count-1. */
-int dl_dequantize(int type, const uint8_t *w, int64_t row_stride, int64_t K, const int64_t *rows,
-                  int64_t count, float *out, int threads) {
-    if (!dl_row_bytes(type, K)) return -1;
-    int bb = block_bytes(type), per = block_values(type) / GROUP;
+/* Rows index[0..count) of tiled weights `src` of K values written as rows first.. of tiled
+ * weights `dst` (whose other rows are left as they are; zero tiles for fresh weights). */
+int dl_gather(int type, const uint8_t *src, int64_t K, const int64_t *index, int64_t count,
+              uint8_t *dst, int64_t first) {
+    Layout L;
+    if (!dl_tile_bytes(type, 1, K)) return -1;
+    layout_of(type, &L);
+    Field fields[2];
+    int nfields = fields_of(type, fields);
+    int64_t blocks = K / L.values, per = L.values / GROUP;
+    for (int64_t r = 0; r < count; ++r) {
+        int64_t n = first + r;
+        int from = (int)(index[r] % TILE), to = (int)(n % TILE);
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *s = src + ((index[r] / TILE) * blocks + b) * L.tile_bytes;
+            uint8_t *t = dst + ((n / TILE) * blocks + b) * L.tile_bytes;
+            for (int f = 0; f < nfields; ++f)
+                for (int c = 0; c < fields[f].count; ++c) {
+                    int at = fields[f].offset + c * TILE * fields[f].size;
+                    memcpy(t + at + to * fields[f].size, s + at + from * fields[f].size,
+                           (size_t)fields[f].size);
+                }
+            for (int g = 0; g < per; ++g) {
+                const uint8_t *sa = s + L.head + g * L.group_bytes;
+                uint8_t *ta = t + L.head + g * L.group_bytes;
+                for (int i = 0; i < GROUP; ++i) set_tile_value(&L, ta, to, i, tile_value(&L, sa, from, i));
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[r * K + k] = W[rows[r], k] (float32) of tiled weights; rows == NULL means 0..count-1. */
+int dl_dequantize(int type, const uint8_t *tiles, int64_t K, const int64_t *rows, int64_t count,
+                  float *out, int threads) {
+    Layout L;
+    if (!dl_tile_bytes(type, 1, K)) return -1;
+    layout_of(type, &L);
+    int64_t blocks = K / L.values, per = L.values / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count >= 64)
     for (int64_t r = 0; r < count; ++r) {
-        const uint8_t *row = w + (rows ? rows[r] : r) * row_stride;
-        int16_t q[GROUP];
-        float s[2], m[2];
+        int64_t n = rows ? rows[r] : r;
+        int l = (int)(n % TILE);
         for (int64_t g = 0; g < K / GROUP; ++g) {
-            unpack_group(type, row + (g / per) * bb, (int)(g % per), q, s, m);
+            const uint8_t *t = tiles + ((n / TILE) * blocks + g / per) * L.tile_bytes;
+            const uint8_t *area = t + L.head + (g % per) * L.group_bytes;
+            float s[2], m[2];
+            tile_scales(type, t, l, (int)(g % per), s, m);
             float *o = out + r * K + g * GROUP;
-            for (int i = 0; i < GROUP; ++i) o[i] = s[i / 16] * (float)q[i] + m[i / 16];
+            for (int i = 0; i < GROUP; ++i) {
+                uint8_t q = tile_value(&L, area, l, i);
+                float value = type == Q8_0 ? (float)(int8_t)q : (float)q;
+                o[i] = s[i / 16] * value + m[i / 16];
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[m * ldy + n] = x[m] . W[n] for m < M, n < N, W tiled (dl_pack). Returns 0, or -1 for an
+ * unsupported type or shape, -2 when out of memory. */
+int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy, int threads) {
+    Layout L;
+    if (!dl_tile_bytes(type, N, K)) return -1;
+    layout_of(type, &L);
+    Activations a;
+    if (scratch_activations(&a, M, K)) return -2;
+    quantise_rows(x, ldx, M, &a);
+    int64_t tiles_n = (N + TILE - 1) / TILE, stride = K / L.values * L.tile_bytes;
+    /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
+     * only its current chunk, not a fixed half of the tiles */
+    int64_t chunk = tiles_n / ((int64_t)threads * 8) > 4 ? tiles_n / ((int64_t)threads * 8) : 4;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && tiles_n >= 16)
+    for (int64_t t = 0; t < tiles_n; ++t) {
+        float out[MAX_ROWS][TILE];
+        int width = N - t * TILE < TILE ? (int)(N - t * TILE) : TILE;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+            Activations part = a;
+            part.q = a.q + m0 * K, part.d = a.d + m0 * a.G, part.sum = a.sum + m0 * a.G;
+            part.half = a.half + 2 * m0 * a.G;
+            tile_product(type, &L, tiles + t * stride, &part, rows, out);
+            for (int r = 0; r < rows; ++r)
+                memcpy(y + (m0 + r) * ldy + t * TILE, out[r], (size_t)width * sizeof(float));
         }
     }
     return 0;
