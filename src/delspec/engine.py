@@ -127,6 +127,17 @@ class Round:
     extra: dict = field(default_factory=dict)  # policy annotations for traces
 
 
+@dataclass
+class _Draft:
+    """One round's draft so far."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)  # exit-head probability of each
+    probs: list[Tensor] = field(default_factory=list)  # each one's distribution, when sampling
+    states: list[Tensor] = field(default_factory=list)  # per step: layer-E state of its input
+    early: list[Tensor] = field(default_factory=list)  # per step: [E, 1, hidden], collected
+
+
 class Engine:
     """Holds one sequence's committed tokens and runs rounds on a model's KV cache."""
 
@@ -180,72 +191,33 @@ class Engine:
     ) -> Round:
         """Run one round and commit its tokens. `draft_cap == 0` means a plain full step;
         drafts use the exit head's vocabulary `level`."""
-        model, sampling = self.model, self.sampling
-        num_layers = model.num_layers
         pos = len(self.tokens) - 1
-        if draft_cap < 1 or not 0 < exit_layer <= num_layers:
+        if draft_cap < 1 or not 0 < exit_layer <= self.model.num_layers:
             exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
-        drafted: list[int] = []
-        confidences: list[float] = []
-        draft_probs: list[Tensor] = []
-        states: list[Tensor] = []
-        early: list[Tensor] = []  # per draft step: [E, 1, hidden]
-        int8 = self.exit_head.int8
-        token = self.tokens[-1]
-        for step in range(draft_cap):
-            layers: list[Tensor] | None = [] if collect and not int8 else None
-            h = model.run_layers(
-                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8
-            )
-            states.append(h)
-            if layers is not None:
-                early.append(torch.stack(layers))
-            token, confidence = self._draft_token(h, exit_layer, level, draft_probs)
-            drafted.append(token)
-            confidences.append(confidence)
-            if token in self.eos or step + 1 == draft_cap or not keep_drafting(confidence):
-                break
+        draft = self._draft(pos, exit_layer, draft_cap, keep_drafting, collect, level)
         t1 = time.perf_counter()
-
-        n = len(drafted)
-        deep: list[Tensor] | None = [] if collect else None
-        if n == 0 or int8:  # every layer over the round's input and its drafts
-            inputs = self._ids([self.tokens[-1], *drafted])
-            h = model.run_layers(model.embed(inputs), pos, 0, num_layers, deep)
-        else:
-            last: list[Tensor] | None = [] if collect else None
-            h_last = model.run_layers(
-                model.embed(self._ids(drafted[-1:])), pos + n, 0, exit_layer, last
-            )
-            h = model.run_layers(torch.cat([*states, h_last]), pos, exit_layer, num_layers, deep)
-            if collect:
-                early.append(torch.stack(last))
-        logits = model.head(h)
-        targets = logits.argmax(-1)
-        if sampling.greedy:
-            target_list = targets.tolist()
-            accepted = next((i for i in range(n) if drafted[i] != target_list[i]), n)
-            next_token = target_list[accepted]
-        else:
-            probs = sampling.probs(logits)
-            if n:
-                accepted, next_token = speculative_accept(
-                    probs, torch.stack(draft_probs), drafted, self.generator
-                )
-            else:
-                accepted, next_token = 0, draw(probs[0], self.generator)
-        committed = [*drafted[:accepted], next_token]
+        logits, deep = self._verify(pos, exit_layer, draft, collect)
+        targets, accepted, next_token = self._accept(logits, draft)
+        committed = [*draft.tokens[:accepted], next_token]
         self.tokens.extend(committed)
         self.exit_head.admit(committed)
         t2 = time.perf_counter()
 
         hidden = None
         if collect:
-            per_layer = [torch.cat(early, 1)] if early else []
+            per_layer = [torch.cat(draft.early, 1)] if draft.early else []
             hidden = torch.cat(per_layer + ([torch.stack(deep)] if deep else []))
         record = Round(
-            pos, exit_layer, drafted, confidences, accepted, committed, targets, hidden, level=level
+            pos,
+            exit_layer,
+            draft.tokens,
+            draft.confidences,
+            accepted,
+            committed,
+            targets,
+            hidden,
+            level=level,
         )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         if self._context is not None:
@@ -256,6 +228,79 @@ class Engine:
                 record.targets = torch.cat([context_targets, targets])
                 record.context = context_hidden.shape[1]
         return record
+
+    def _draft(
+        self,
+        pos: int,
+        exit_layer: int,
+        draft_cap: int,
+        keep_drafting: Callable[[float], bool],
+        collect: bool,
+        level: int,
+    ) -> _Draft:
+        """Draft up to `draft_cap` tokens after the newest one (at position `pos`) with layers
+        [0, exit_layer) and the exit head's vocabulary `level`; stops at EOS or when
+        `keep_drafting(confidence)` says no."""
+        model = self.model
+        draft = _Draft()
+        int8 = self.exit_head.int8
+        token = self.tokens[-1]
+        for step in range(draft_cap):
+            layers: list[Tensor] | None = [] if collect and not int8 else None
+            h = model.run_layers(
+                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8
+            )
+            draft.states.append(h)
+            if layers is not None:
+                draft.early.append(torch.stack(layers))
+            token, confidence = self._draft_token(h, exit_layer, level, draft.probs)
+            draft.tokens.append(token)
+            draft.confidences.append(confidence)
+            if token in self.eos or step + 1 == draft_cap or not keep_drafting(confidence):
+                break
+        return draft
+
+    def _verify(
+        self, pos: int, exit_layer: int, draft: _Draft, collect: bool
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """The full model's logits after the round's input and each draft token, and (when
+        `collect`) the states of the layers it ran over all of them; `draft.early` gets the
+        last draft token's early-layer states."""
+        model = self.model
+        n = len(draft.tokens)
+        deep: list[Tensor] | None = [] if collect else None
+        if n == 0 or self.exit_head.int8:  # every layer over the round's input and its drafts
+            inputs = self._ids([self.tokens[-1], *draft.tokens])
+            h = model.run_layers(model.embed(inputs), pos, 0, model.num_layers, deep)
+        else:
+            last: list[Tensor] | None = [] if collect else None
+            h_last = model.run_layers(
+                model.embed(self._ids(draft.tokens[-1:])), pos + n, 0, exit_layer, last
+            )
+            h = model.run_layers(
+                torch.cat([*draft.states, h_last]), pos, exit_layer, model.num_layers, deep
+            )
+            if collect:
+                draft.early.append(torch.stack(last))
+        return model.head(h), deep
+
+    def _accept(self, logits: Tensor, draft: _Draft) -> tuple[Tensor, int, int]:
+        """The greedy targets after each position, how many drafts are accepted, and the token
+        that follows them (the target's, or one drawn by speculative sampling)."""
+        targets = logits.argmax(-1)
+        n = len(draft.tokens)
+        if self.sampling.greedy:
+            target_list = targets.tolist()
+            accepted = next((i for i in range(n) if draft.tokens[i] != target_list[i]), n)
+            return targets, accepted, target_list[accepted]
+        probs = self.sampling.probs(logits)
+        if n:
+            accepted, next_token = speculative_accept(
+                probs, torch.stack(draft.probs), draft.tokens, self.generator
+            )
+        else:
+            accepted, next_token = 0, draw(probs[0], self.generator)
+        return targets, accepted, next_token
 
     def _draft_token(
         self, h: Tensor, exit_layer: int, level: int, draft_probs: list[Tensor]
