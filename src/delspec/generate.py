@@ -99,24 +99,13 @@ def decode_tokens(
     accepted_drafts)` returns False. Greedy output equals plain autoregressive greedy output;
     sampled output follows the same distribution.
     """
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompt = list(prompt_ids)
-    context = model.config.max_position
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    if len(prompt) >= context:
-        raise ContextLengthError(
-            f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
-        )
-    sampling = sampling or Sampling()
+    prompt = _checked_prompt(prompt_ids, max_new_tokens, model.config.max_position)
     eos = tuple(eos_token_ids)
     head = (exit_head or ExitHead(model)).for_prompt(prompt)
-    engine = Engine(model, sampling, eos, head)
-    capacity = min(context, len(prompt) + max_new_tokens)
-    stats = Stats(prompt_tokens=len(prompt))
+    engine = Engine(model, sampling or Sampling(), eos, head)
+    capacity = min(model.config.max_position, len(prompt) + max_new_tokens)
+    totals = _Totals(model.num_layers, len(prompt))
     rounds: list[dict[str, Any]] | None = [] if trace else None
-    layer_loads = exit_sum = drafting_rounds = 0
     policy.start(head)
 
     t0 = time.perf_counter()
@@ -136,43 +125,77 @@ def decode_tokens(
         )
         t_obs = time.perf_counter()
         policy.observe(record)
-        stats.policy_s += time.perf_counter() - t_obs
-        stats.draft_s += record.draft_s
-        stats.verify_s += record.verify_s
-        n = len(record.drafted)
-        stats.rounds += 1
-        stats.drafted += n
-        stats.accepted += record.accepted
-        layer_loads += record.exit_layer * n + model.num_layers
-        if n:
-            exit_sum += record.exit_layer
-            drafting_rounds += 1
+        totals.add(record, time.perf_counter() - t_obs)
         tokens = record.tokens
         stop_at = next((i for i, t in enumerate(tokens) if t in eos), None)
         if stop_at is not None:
             del engine.tokens[len(engine.tokens) - len(tokens) + stop_at + 1 :]
             tokens = tokens[: stop_at + 1]
         if rounds is not None:
-            rounds.append(_trace_entry(stats.rounds, record))
+            rounds.append(_trace_entry(totals.stats.rounds, record))
         go_on = on_round(tokens, min(record.accepted, len(tokens))) if on_round else True
         if stop_at is not None or not go_on:
             finish = "stop"
             break
     synchronize(model.device)
     t2 = time.perf_counter()
-
     new = engine.tokens[len(prompt) :][:max_new_tokens]
-    stats.new_tokens = len(new)
-    stats.prefill_ms = (t1 - t0) * 1000
-    decode_s = t2 - t1
-    stats.decode_ms_per_token = decode_s * 1000 / max(1, len(new))
-    stats.tokens_per_s = len(new) / decode_s if decode_s > 0 else 0.0
-    stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
-    stats.etpl = (stats.accepted + stats.rounds) / layer_loads if layer_loads else 0.0
-    stats.mean_draft_length = stats.drafted / stats.rounds if stats.rounds else 0.0
-    stats.mean_exit_layer = exit_sum / drafting_rounds if drafting_rounds else 0.0
-    stats.policy_share = stats.policy_s / decode_s if decode_s > 0 else 0.0
-    return Decoded(new, finish, stats, rounds)
+    return Decoded(new, finish, totals.finish(len(new), t1 - t0, t2 - t1), rounds)
+
+
+def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
+    """`prompt_ids` as a list; `ConfigError` or `ContextLengthError` when there is nothing to
+    generate from or no room in the model's `context`."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if len(prompt) >= context:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
+        )
+    return prompt
+
+
+class _Totals:
+    """Sums over a generation's rounds, and the `Stats` they give."""
+
+    def __init__(self, num_layers: int, prompt_tokens: int) -> None:
+        self.num_layers = num_layers
+        self.stats = Stats(prompt_tokens=prompt_tokens)
+        self.layer_loads = self.exit_sum = self.drafting_rounds = 0
+
+    def add(self, record: Round, policy_s: float) -> None:
+        """Count a finished round whose `observe` took `policy_s` seconds."""
+        stats = self.stats
+        stats.policy_s += policy_s
+        stats.draft_s += record.draft_s
+        stats.verify_s += record.verify_s
+        n = len(record.drafted)
+        stats.rounds += 1
+        stats.drafted += n
+        stats.accepted += record.accepted
+        self.layer_loads += record.exit_layer * n + self.num_layers
+        if n:
+            self.exit_sum += record.exit_layer
+            self.drafting_rounds += 1
+
+    def finish(self, new_tokens: int, prefill_s: float, decode_s: float) -> Stats:
+        """The statistics of a generation of `new_tokens` tokens with these timings."""
+        stats = self.stats
+        stats.new_tokens = new_tokens
+        stats.prefill_ms = prefill_s * 1000
+        stats.decode_ms_per_token = decode_s * 1000 / max(1, new_tokens)
+        stats.tokens_per_s = new_tokens / decode_s if decode_s > 0 else 0.0
+        stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        loads = self.layer_loads
+        stats.etpl = (stats.accepted + stats.rounds) / loads if loads else 0.0
+        stats.mean_draft_length = stats.drafted / stats.rounds if stats.rounds else 0.0
+        rounds = self.drafting_rounds
+        stats.mean_exit_layer = self.exit_sum / rounds if rounds else 0.0
+        stats.policy_share = stats.policy_s / decode_s if decode_s > 0 else 0.0
+        return stats
 
 
 def _trace_entry(index: int, record: Round) -> dict[str, Any]:
