@@ -11,7 +11,8 @@ from tiny_models import tiny_model
 
 from delspec.bench.backends import DelspecBackend
 from delspec.bench.methods import method_config, parse_methods
-from delspec.cli import build_parser, decode_config, main
+from delspec.cli import build_parser, main
+from delspec.cli.arguments import decode_config
 from delspec.costs import LayerCost
 from delspec.decode_config import (
     PAPER,

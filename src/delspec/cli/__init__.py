@@ -1,0 +1,40 @@
+"""`delspec` command line: generate, info, serve, bench, calibrate. Thin: parsing and printing.
+
+`commands` holds each command's flags and what it runs; `arguments` the flags they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from delspec.cli import commands
+from delspec.errors import DelspecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="delspec", description="DEL self-speculative decoding: lossless, faster generation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands.add_generate(sub)
+    commands.add_info(sub)
+    commands.add_serve(sub)
+    commands.add_bench(sub)
+    commands.add_calibrate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    command: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return command(args)
+    except DelspecError as exc:
+        print(f"delspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndelspec: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,140 @@
+"""Flags several `delspec` commands share: the model to load and the `DecodeConfig` options."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from delspec.decode_config import DecodeConfig
+    from delspec.loading import LoadedModel
+
+# flags of `decode_arguments` that are `DecodeConfig` options of the same name
+DECODE_FLAGS = (
+    "strategy",
+    "exit_layer",
+    "draft_length",
+    "adapters",
+    "draft_vocab",
+    "context_vocab",
+    "int8_draft",
+)
+
+
+def model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    """The model to load (`--model`, or an optional positional `model`) and where to run it."""
+    parser.add_argument(
+        *(["model"] if positional else ["--model"]),
+        **({"nargs": "?"} if positional else {}),
+        default="default",
+        help="'default' (embedded SmolLM2-135M-Instruct), a named model, a .gguf file, "
+        "or a Hugging Face model directory",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (CPU default), bfloat16 (GPU default), float16, float64",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        help="weight format: native (a GGUF file's own quantised blocks), int8, float, or auto "
+        "(native for GGUF files on CPU, float otherwise)",
+    )
+
+
+def decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `DecodeConfig` flags: a preset, then the strategy and options that override it."""
+    from delspec.decode_config import DEFAULT_STRATEGY, PRESETS, STRATEGIES
+
+    parser.add_argument(
+        "--preset",
+        default="fast",
+        choices=list(PRESETS),
+        help="decoding configuration the other flags start from: fast (default: del-fast with "
+        "adapters, pruned draft vocabularies and int8 drafts where they apply) or paper (the "
+        "paper's DEL exactly)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=sorted(STRATEGIES),
+        help=f"decoding strategy (default: the preset's; {DEFAULT_STRATEGY} for fast, del for "
+        "paper, the paper's DEL)",
+    )
+    parser.add_argument("--exit-layer", type=int, help="exit layer E (static, fs, dv)")
+    parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any other strategy or draft option, e.g. omega=0.9 or candidates=4/8/12 "
+        "(repeatable; values as in bench method strings)",
+    )
+    parser.add_argument(
+        "--adapters",
+        help="exit adapters file from `delspec calibrate`; 'auto' (default): the model's own "
+        "if it has one; 'none'",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        help="draft with only the K most frequent tokens' LM head rows; several sizes "
+        "(e.g. 16384,65536,full) for del-fast to choose from per round; 'full'; 'auto' "
+        "(default) for del-fast on large vocabularies: 16384, up to two doublings within half "
+        "the vocabulary, and full",
+    )
+    parser.add_argument(
+        "--no-context-vocab",
+        action="store_false",
+        dest="context_vocab",
+        default=None,
+        help="do not add the prompt's and reply's own tokens to a pruned draft vocabulary",
+    )
+    parser.add_argument(
+        "--int8-draft",
+        type=_switch,
+        help="draft on int8 copies of the weights: on, off, or 'auto' (default): on for del-fast",
+    )
+
+
+def _draft_vocab(text: str) -> list[int | str] | str:
+    if text in ("auto", "full"):
+        return text
+    try:
+        return [k if k == "full" else int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number, numbers and 'full' separated by commas, 'auto' or 'full', "
+            f"got {text!r}"
+        ) from None
+
+
+def _switch(text: str) -> bool | str:
+    choices = {"on": True, "off": False, "auto": "auto"}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
+    return choices[text]
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """The `DecodeConfig` of the command line: `--preset`, updated with the flags given."""
+    from delspec.decode_config import PRESETS, parse_option
+
+    options = dict(parse_option(pair) for pair in args.option or ())
+    for name in DECODE_FLAGS:
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return PRESETS[args.preset].updated(**options)
+
+
+def load(args: argparse.Namespace) -> LoadedModel:
+    """The model the `model_arguments` flags name, on their device and threads."""
+    import torch
+
+    from delspec.loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model, device=args.device, dtype=args.dtype, weights=args.weights)

@@ -1,0 +1,288 @@
+"""The `delspec` commands: each one's flags (`add_<command>`) and what it runs (`cmd_<command>`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from delspec.cli.arguments import decode_arguments, decode_config, load, model_arguments
+from delspec.errors import DelspecError
+
+DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    """`delspec generate`: generate text, streamed to the terminal (or one JSON object)."""
+    gen = sub.add_parser("generate", help="generate text (streams to the terminal)")
+    gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
+    model_arguments(gen)
+    decode_arguments(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from delspec.generate import generate
+    from delspec.sampling import Sampling
+
+    config = decode_config(args)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    lm = load(args)
+    console = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False)
+
+    def show(piece: str, kind: str) -> None:
+        console.print(piece, style=DRAFT_STYLE if kind == "draft" else None, end="", markup=False)
+
+    result = generate(
+        lm,
+        prompt,
+        config,
+        sampling=sampling,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop or (),
+        chat=args.chat,
+        on_text=None if args.json else show,
+        trace=args.trace is not None,
+    )
+    if args.trace is not None:
+        with open(args.trace, "w") as f:
+            for entry in result.trace or []:
+                f.write(json.dumps(entry) + "\n")
+    if args.json:
+        print(
+            json.dumps(
+                {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}, indent=2
+            )
+        )
+        return 0
+    s = result.stats
+    console.print()
+    summary = (
+        f"{s.new_tokens} tokens · {s.tokens_per_s:.1f} tok/s · prefill {s.prefill_ms:.0f} ms · "
+        f"strategy {result.strategy}"
+    )
+    if s.drafted:
+        summary += (
+            f" · acceptance {s.acceptance_rate:.0%} · mean exit layer {s.mean_exit_layer:.1f}"
+            f" · mean draft {s.mean_draft_length:.1f} · eTPL {s.etpl:.3f}"
+        )
+    if console.is_terminal:
+        summary += " · [green]green[/] = accepted draft tokens"
+    err.print(f"[dim]── {summary}[/]")
+    return 0
+
+
+def add_info(sub: argparse._SubParsersAction) -> None:
+    """`delspec info`: describe a model."""
+    info = sub.add_parser("info", help="describe a model")
+    model_arguments(info, positional=True)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    lm = load(args)
+    cfg = lm.model.config
+    info = {
+        "name": lm.name,
+        "source": lm.source,
+        "architecture": cfg.family,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "attention_heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "context": cfg.max_position,
+        "tied_embeddings": cfg.tie_embeddings,
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "device": str(lm.model.device),
+        "parameters": lm.model.parameter_count,
+        "weights": lm.model.weights,
+        "weight_mb": round(lm.model.weight_bytes / 2**20, 1),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            shown = f"{value:,}" if key == "parameters" else value
+            print(f"{key.replace('_', ' '):<{width}}  {shown}")
+    return 0
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    """`delspec serve`: the OpenAI-compatible HTTP server."""
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    model_arguments(srv)
+    decode_arguments(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
+    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from delspec.server import serve
+
+    config = decode_config(args)
+    lm = load(args)
+    serve(
+        lm,
+        host=args.host,
+        port=args.port,
+        config=config,
+        max_queue=args.max_queue,
+        request_timeout=args.timeout,
+    )
+    return 0
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    """`delspec bench`: benchmark methods on tasks."""
+    from delspec.bench.methods import METHODS
+    from delspec.bench.tasks import TASKS
+
+    bench = sub.add_parser("bench", help="benchmark methods on tasks (speed, eTPL, losslessness)")
+    model_arguments(bench)
+    bench.add_argument("--tasks", help=f"comma-separated, of: {', '.join(TASKS)} (default: all)")
+    bench.add_argument("--prompts", type=Path, help="JSON Lines prompts file instead of tasks")
+    bench.add_argument(
+        "--methods",
+        default="ar,static-sweep,fs,dv,del",
+        help="comma-separated methods, NAME or NAME:key=value,... (e.g. static:E=8,d=4), "
+        f"NAME one of: {', '.join(METHODS)}; ar is always included",
+    )
+    bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every method N times per prompt (rotated) and keep the median time",
+    )
+    bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
+    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from delspec.bench.methods import parse_methods
+    from delspec.bench.report import summary_lines, write_report
+    from delspec.bench.runner import calibration_count, run_bench, select_prompts
+
+    methods = parse_methods(args.methods)
+    tasks = args.tasks.split(",") if args.tasks else None
+    prompts = select_prompts(
+        tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
+    )
+    result = run_bench(
+        load(args),
+        methods,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        command=shlex.join(["delspec", *args.argv]),
+        repeats=args.repeats,
+    )
+    paths = write_report(result, args.out)
+    print("\n".join(summary_lines(result)))
+    print(f"delspec: wrote {', '.join(p.name for p in paths)} to {args.out}", file=sys.stderr)
+    if not result.ok:
+        count = len(result.lossless["failures"])
+        print(f"delspec: error: {count} output(s) differ from ar: NOT LOSSLESS", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_calibrate(sub: argparse._SubParsersAction) -> None:
+    """`delspec calibrate`: train exit adapters."""
+    cal = sub.add_parser("calibrate", help="train exit adapters that make drafts more accurate")
+    model_arguments(cal, positional=True)
+    cal.add_argument(
+        "--out", type=Path, help="adapters file (default: where `generate` finds it by itself)"
+    )
+    cal.add_argument(
+        "--prompts", type=Path, help=".jsonl or one-prompt-per-line file (default: built-in)"
+    )
+    cal.add_argument("--rank", type=int, default=64, help="adapter rank")
+    cal.add_argument("--layers", help="exit layers, e.g. 8-29 or 10,20 (default: all)")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    cal.add_argument(
+        "--steps", type=int, default=50, help="Adam steps per layer after the closed-form fit"
+    )
+    cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from delspec.adapters import default_adapters_path, save_adapters
+    from delspec.calibration import calibrate, read_prompts
+
+    lm = load(args)
+    adapters = calibrate(
+        lm,
+        read_prompts(args.prompts) if args.prompts else None,
+        layers=_layer_list(args.layers) if args.layers else None,
+        rank=args.rank,
+        steps=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    path = save_adapters(adapters, args.out or default_adapters_path(lm))
+    info = adapters.calibration
+    table = Table(
+        title=f"held-out agreement with the final layer ({info['heldout_positions']} positions)"
+    )
+    for column in ("exit layer", "top-1 before", "top-1 after", "KL before", "KL after"):
+        table.add_column(column, justify="right")
+    for row in info["layers"]:
+        table.add_row(
+            str(row["layer"]),
+            f"{row['agreement_before']:.3f}",
+            f"{row['agreement_after']:.3f}",
+            f"{row['kl_before']:.3f}",
+            f"{row['kl_after']:.3f}",
+        )
+    console = Console(highlight=False)
+    console.print(table)
+    console.print(
+        f"wrote {path} ({len(adapters.layers)} layers, rank {adapters.rank}, "
+        f"{info['train_positions']} training positions; generation {info['generate_s']:.0f} s, "
+        f"training {info['train_s']:.0f} s)",
+        markup=False,
+    )
+    return 0
+
+
+def _layer_list(text: str) -> list[int]:
+    """Exit layers from "8-12,20,24": ranges are inclusive."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            layers.extend(range(int(first), int(last or first) + 1))
+    except ValueError as exc:
+        raise DelspecError(f"--layers: expected e.g. 8-12,20, got {text!r}") from exc
+    return layers
