@@ -10,8 +10,9 @@ import torch
 
 from delspec.bench.backends import DelspecBackend, LlamaCppBackend
 from delspec.bench.methods import parse_methods
+from delspec.bench.prompt_sets import select_prompts
 from delspec.bench.report import markdown
-from delspec.bench.runner import run_bench, select_prompts
+from delspec.bench.runner import run_bench
 from delspec.errors import ConfigError
 from delspec.loading import LoadedModel, default_model_path
 

@@ -27,7 +27,7 @@ REFERENCE = "ar"  # every run includes it: speedups and losslessness are measure
 class MethodSpec:
     """How a named method runs.
 
-    `backend` names an entry of `delspec.bench.runner.BACKENDS` ("delspec", "transformers",
+    `backend` names an entry of `delspec.bench.backends.BACKENDS` ("delspec", "transformers",
     "economize", "llama-cpp"); `strategy` is what that backend runs (a delspec strategy name, or
     the peer's mode). `peer` methods come from other libraries: their outputs are compared with
     `ar` but a mismatch does not fail the run. `sweep` methods first pick `exit_layer` and

@@ -59,8 +59,21 @@ def summary(result: BenchResult) -> dict[str, Any]:
 def markdown(result: BenchResult) -> str:
     """The report: Table 1 (eTPL / speedup per task, overall speed and speedup), details,
     sweeps, losslessness and plots."""
-    tasks = result.settings["tasks"]
-    aggregates = result.aggregates
+    lines = [*_heading(result), *_table_one(result), *_details(result)]
+    lines += [*_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
+    lines += ["## Plots", "", f"![speedup by task and method]({SPEEDUP_PNG})", ""]
+    if result.trace:
+        lines += [
+            f"![exit layer and alpha over rounds]({TRACE_PNG})",
+            "",
+            f"![alpha per layer over rounds]({HEATMAP_PNG})",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _heading(result: BenchResult) -> list[str]:
+    """The title, where and how the run was made, and a warning when it was not lossless."""
     env, settings = result.environment, result.settings
     lines = [
         f"# delspec bench: {result.model['name']}",
@@ -75,7 +88,13 @@ def markdown(result: BenchResult) -> str:
     ]
     if not result.ok:
         lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
-    lines += [
+    return lines
+
+
+def _table_one(result: BenchResult) -> list[str]:
+    """Per method: eTPL / speedup on each task, overall tokens/s and speedup."""
+    tasks, aggregates = result.settings["tasks"], result.aggregates
+    lines = [
         "| Method | " + " | ".join(tasks) + " | Speed (tok/s) | Overall |",
         "|---|" + "---|" * (len(tasks) + 2),
     ]
@@ -87,11 +106,18 @@ def markdown(result: BenchResult) -> str:
             f"| {name} | " + " | ".join(cells) + f" | {overall['tokens_per_s']:.2f} | "
             f"{overall['speedup']:.2f}× |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         f"Cells: eTPL / speedup over {REFERENCE} (ratio of overall tokens/s on the task's "
         "prompts, measured in this run); – where a peer library exposes no eTPL.",
         "",
+    ]
+
+
+def _details(result: BenchResult) -> list[str]:
+    """Per method over all prompts: speeds, acceptance, exit layers, memory, losslessness."""
+    lines = [
         "## Details (all prompts)",
         "",
         "| Method | tok/s | speedup | median per-prompt speedup | prefill tok/s | decode tok/s "
@@ -100,7 +126,7 @@ def markdown(result: BenchResult) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, info in result.methods.items():
-        m = aggregates[OVERALL][method]
+        m = result.aggregates[OVERALL][method]
         rss = info.get("memory") or {}
         lines.append(
             f"| {method} | {m['tokens_per_s']:.2f} | {m['speedup']:.2f}× | "
@@ -110,17 +136,7 @@ def markdown(result: BenchResult) -> str:
             f"{_num(m['policy_share'], '.1%')} | {_num(rss.get('peak_mib'), '.0f')} / "
             f"{_num(rss.get('process_peak_mib'), '.0f')} | {'yes' if m['lossless'] else 'NO'} |"
         )
-    lines += ["", *_details_notes(result)]
-    lines += [*_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
-    lines += ["## Plots", "", f"![speedup by task and method]({SPEEDUP_PNG})", ""]
-    if result.trace:
-        lines += [
-            f"![exit layer and alpha over rounds]({TRACE_PNG})",
-            "",
-            f"![alpha per layer over rounds]({HEATMAP_PNG})",
-            "",
-        ]
-    return "\n".join(lines)
+    return [*lines, "", *_details_notes(result)]
 
 
 def summary_lines(result: BenchResult) -> list[str]:

@@ -11,53 +11,26 @@ Each method's resident memory is measured as it is set up and run (`delspec.benc
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import shlex
 import statistics
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
-from itertools import product
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from delspec.bench import memory
 from delspec.bench.backends import BACKENDS, Backend, BackendUnavailable, Generate, Output, timed
+from delspec.bench.environment import model_info, run_environment
 from delspec.bench.methods import REFERENCE, Method, references, weights_of
 from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
-from delspec.bench.tasks import TASKS, Prompt, load_prompts_file, load_task
+from delspec.bench.prompt_sets import PromptSet
+from delspec.bench.sweeps import SWEEP_OPTIONS, rotated, sweep, sweep_grid
+from delspec.bench.tasks import Prompt
 from delspec.errors import ConfigError
 from delspec.loading import LoadedModel
 
-SWEEP_EXIT_FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 3 / 4)  # of the model's layers
-SWEEP_DRAFT_LENGTHS = (2, 4, 6)
-SWEEP_CALIBRATION = 2  # calibration prompts per task
-SWEEP_GRID_KEYS = ("exit_layer", "draft_length")
-SWEEP_OPTIONS = (*SWEEP_GRID_KEYS, "calibration")  # consumed by the sweep, not the strategy
 WARMUP_TOKENS = 8
-
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class PromptSet:
-    """The evaluated prompts, each task's calibration prompts (for sweeps), and where they came
-    from. `held_out` is False when calibration reuses evaluated prompts (a user's prompts file).
-    """
-
-    prompts: list[Prompt]
-    calibration: dict[str, list[Prompt]]
-    held_out: bool
-    origin: dict[str, Any]
-
-    @property
-    def tasks(self) -> list[str]:
-        return list(dict.fromkeys(p.task for p in self.prompts))
 
 
 @dataclass
@@ -88,55 +61,6 @@ class BenchResult:
         return asdict(self)
 
 
-def calibration_count(methods: Sequence[Method]) -> int:
-    """Calibration prompts per task that the sweep methods need (0 without sweeps)."""
-    counts = [int(m.options.get("calibration", SWEEP_CALIBRATION)) for m in methods if m.spec.sweep]
-    if any(c < 1 for c in counts):
-        raise ConfigError("a sweep needs calibration >= 1 prompt per task")
-    return max(counts, default=0)
-
-
-def select_prompts(
-    tasks: Sequence[str] | None,
-    num_samples: int,
-    seed: int,
-    prompts_file: str | os.PathLike[str] | None = None,
-    calibration: int = 0,
-) -> PromptSet:
-    """The prompts of `tasks` (None = all) or of a user's JSON Lines file.
-
-    For tasks, the `calibration` prompts of each task are the ones after the first `num_samples`
-    in the task's seeded order, so they are never evaluated. A prompts file's prompts are grouped
-    by their ``task`` field, and the sweeps calibrate on the file's own first prompts per task.
-    """
-    if prompts_file is not None:
-        if tasks is not None:
-            raise ConfigError("give either tasks or a prompts file, not both")
-        prompts = load_prompts_file(prompts_file)
-        by_task: dict[str, list[Prompt]] = {}
-        for prompt in prompts:
-            by_task.setdefault(prompt.task, []).append(prompt)
-        return PromptSet(
-            [p for group in by_task.values() for p in group],
-            {task: group[:calibration] for task, group in by_task.items()} if calibration else {},
-            held_out=False,
-            origin={"prompts_file": str(prompts_file)},
-        )
-    names = list(TASKS) if tasks is None else list(dict.fromkeys(tasks))
-    unknown = [name for name in names if name not in TASKS]
-    if unknown or not names:
-        raise ConfigError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
-    evaluated: list[Prompt] = []
-    held_out: dict[str, list[Prompt]] = {}
-    for name in names:
-        pool = load_task(name, num_samples + calibration, seed)
-        evaluated += pool[:num_samples]
-        if calibration:
-            held_out[name] = pool[num_samples:]
-    origin = {"tasks": names, "num_samples": num_samples, "seed": seed}
-    return PromptSet(evaluated, held_out, held_out=True, origin=origin)
-
-
 def run_bench(
     lm: LoadedModel,
     methods: Sequence[Method],
@@ -155,122 +79,175 @@ def run_bench(
 
     Raises `ConfigError` for a method option its backend rejects (before any timed run).
     """
+    _check_settings(methods, max_new_tokens, repeats)
+    reference_of = references(methods, lm.model.weights)
+    environment = run_environment(lm, command)
+    run = _BenchRun(lm, prompt_set, max_new_tokens, repeats)
+    grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
+    if grids and any(not run.calibration.get(task) for task in run.tasks):
+        raise ConfigError("sweep methods need calibration prompts for every task")
+    environment["rss_start_mib"] = memory.mib(memory.rss())
+    candidates = run.set_up(methods, grids)
+    methods = [m for m in methods if m.label not in run.skipped]
+    grids = {label: grid for label, grid in grids.items() if label not in run.skipped}
+    runs = len(run.encoded) * len(methods) * repeats
+    runs += sum(len(grid) * len(run.calibration[t]) for grid in grids.values() for t in run.tasks)
+    run.bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
+    generators, sweeps = run.warm_up_and_choose(methods, candidates, grids)
+    records, traced = run.measure(methods, generators, reference_of)
+    run.bar.close()
+    return BenchResult(
+        model=model_info(lm),
+        settings={
+            **prompt_set.origin,
+            "tasks": run.tasks,
+            "max_new_tokens": max_new_tokens,
+            "prompts": len(run.encoded),
+            "repeats": repeats,
+            "calibration_held_out": prompt_set.held_out,
+            "warmup_tokens": WARMUP_TOKENS,
+            "skipped": run.skipped,
+        },
+        environment=environment,
+        methods={
+            m.label: _method_info(m) | {"memory": run.usage[m.label].as_dict()} for m in methods
+        },
+        records=records,
+        sweeps=sweeps,
+        trace=_plotted_trace(methods, traced),
+    )
+
+
+def _check_settings(methods: Sequence[Method], max_new_tokens: int, repeats: int) -> None:
     if not methods or methods[0].label != REFERENCE:
         raise ConfigError(f"the first method must be {REFERENCE!r}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    reference_of = references(methods, lm.model.weights)
-    environment = run_environment(lm, command)
-    tasks = prompt_set.tasks
-    encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
-    calibration = {
-        task: [lm.tokenizer.encode(p.text) for p in group]
-        for task, group in prompt_set.calibration.items()
-    }
-    grids = {m.label: _sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
-    if grids and any(not calibration.get(task) for task in tasks):
-        raise ConfigError("sweep methods need calibration prompts for every task")
-    longest = max(len(ids) for ids in [*encoded.values(), *calibration.values()])
-    environment["rss_start_mib"] = memory.mib(memory.rss())
 
-    backends: dict[str, Backend] = {}
-    unavailable: dict[str, str] = {}  # per backend, why it cannot run
-    skipped: dict[str, str] = {}  # per method label
-    usage: dict[str, memory.MethodMemory] = {}
-    candidates: dict[str, list[Generate]] = {}  # per method, per grid setting (else one)
-    for method in methods:
-        name = method.spec.backend
-        usage[method.label] = memory.MethodMemory(None if method.spec.peer else lm.model)
-        usage[method.label].start_setup()
-        if name not in backends and name not in unavailable:
-            try:
-                backends[name] = BACKENDS[name](lm)
-            except BackendUnavailable as exc:
-                unavailable[name] = str(exc)
-            else:
-                if reserve := getattr(backends[name], "reserve", None):
-                    reserve(longest + max_new_tokens)
-        if name in unavailable:
-            skipped[method.label] = unavailable[name]
-            print(f"delspec: skipping {method.label}: {unavailable[name]}", file=sys.stderr)
-            continue
-        backend = backends[name]
-        fixed = {k: v for k, v in method.options.items() if k not in SWEEP_OPTIONS}
-        options = (
-            [{**fixed, **setting} for setting in grids[method.label]]
-            if method.spec.sweep
-            else [method.options]
-        )
-        candidates[method.label] = [_generator(method, backend, o) for o in options]
-        usage[method.label].end_setup()
-    methods = [m for m in methods if m.label not in skipped]
-    grids = {label: grid for label, grid in grids.items() if label not in skipped}
 
-    runs = len(encoded) * len(methods) * repeats
-    runs += sum(len(grid) * len(calibration[t]) for grid in grids.values() for t in tasks)
-    bar = tqdm(total=runs, unit="gen", desc="bench", disable=not progress, file=sys.stderr)
-    first = next(iter(encoded.values()))
-    generators: dict[str, dict[str, Generate]] = {}  # per method, per task
-    sweeps: dict[str, dict[str, Any]] = {}
-    for method in methods:
-        usage[method.label].start_setup()
-        for generate in candidates[method.label]:
-            generate(first, min(WARMUP_TOKENS, max_new_tokens))
-        usage[method.label].end_setup()
-        if method.spec.sweep:
-            sweeps[method.label], generators[method.label] = _sweep(
-                grids[method.label], candidates[method.label], calibration, max_new_tokens, bar
-            )
-        else:
-            generators[method.label] = dict.fromkeys(tasks, candidates[method.label][0])
+class _BenchRun:
+    """The steps of `run_bench` and what they share: the model, the run's settings, the prompts'
+    token ids (`encoded`, and per task `calibration`), each method's memory (`usage`), the
+    methods left out (`skipped`, with why) and the progress bar."""
 
-    records: list[dict[str, Any]] = []
-    traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
-    for index, (prompt, ids) in enumerate(encoded.items()):
-        firsts: dict[str, tuple[Output, int]] = {}
-        times: dict[str, list[float]] = {m.label: [] for m in methods}
-        for repeat in range(repeats):
-            for turn, method in enumerate(_rotated(methods, index + repeat)):
-                bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
-                generate = generators[method.label][prompt.task]
-                usage[method.label].start_run()
-                output, seconds = timed(generate, ids, max_new_tokens)
-                usage[method.label].end_run()
-                times[method.label].append(seconds)
-                firsts.setdefault(method.label, (output, turn))
-                bar.update()
-        outputs = {
-            label: (output, statistics.median(times[label]), turn)
-            for label, (output, turn) in firsts.items()
+    def __init__(
+        self, lm: LoadedModel, prompt_set: PromptSet, max_new_tokens: int, repeats: int
+    ) -> None:
+        self.lm, self.max_new_tokens, self.repeats = lm, max_new_tokens, repeats
+        self.tasks = prompt_set.tasks
+        self.encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
+        self.calibration = {
+            task: [lm.tokenizer.encode(p.text) for p in group]
+            for task, group in prompt_set.calibration.items()
         }
-        for label, (output, _) in firsts.items():
-            if output.layers and output.trace and "alpha" in output.trace[-1]:
-                best = traced.get(label)
-                if best is None or len(output.trace) > len(best[1].trace or ()):
-                    traced[label] = (prompt, output)
-        records += _records(lm, prompt, len(ids), methods, outputs, reference_of)
-    bar.close()
+        self.usage: dict[str, memory.MethodMemory] = {}
+        self.skipped: dict[str, str] = {}
+        self.bar: tqdm | None = None
 
-    return BenchResult(
-        model=model_info(lm),
-        settings={
-            **prompt_set.origin,
-            "tasks": tasks,
-            "max_new_tokens": max_new_tokens,
-            "prompts": len(encoded),
-            "repeats": repeats,
-            "calibration_held_out": prompt_set.held_out,
-            "warmup_tokens": WARMUP_TOKENS,
-            "skipped": skipped,
-        },
-        environment=environment,
-        methods={m.label: _method_info(m) | {"memory": usage[m.label].as_dict()} for m in methods},
-        records=records,
-        sweeps=sweeps,
-        trace=_plotted_trace(methods, traced),
-    )
+    def set_up(
+        self, methods: Sequence[Method], grids: Mapping[str, list[dict[str, int]]]
+    ) -> dict[str, list[Generate]]:
+        """Each method's generators (one per grid setting of a sweep, else one), on backends
+        that reserve room for the longest prompt; a method whose backend is unavailable is
+        skipped."""
+        longest = max(len(ids) for ids in [*self.encoded.values(), *self.calibration.values()])
+        backends: dict[str, Backend] = {}
+        unavailable: dict[str, str] = {}  # per backend, why it cannot run
+        candidates: dict[str, list[Generate]] = {}  # per method, per grid setting (else one)
+        for method in methods:
+            name = method.spec.backend
+            self.usage[method.label] = memory.MethodMemory(
+                None if method.spec.peer else self.lm.model
+            )
+            self.usage[method.label].start_setup()
+            if name not in backends and name not in unavailable:
+                try:
+                    backends[name] = BACKENDS[name](self.lm)
+                except BackendUnavailable as exc:
+                    unavailable[name] = str(exc)
+                else:
+                    if reserve := getattr(backends[name], "reserve", None):
+                        reserve(longest + self.max_new_tokens)
+            if name in unavailable:
+                self.skipped[method.label] = unavailable[name]
+                print(f"delspec: skipping {method.label}: {unavailable[name]}", file=sys.stderr)
+                continue
+            backend = backends[name]
+            fixed = {k: v for k, v in method.options.items() if k not in SWEEP_OPTIONS}
+            options = (
+                [{**fixed, **setting} for setting in grids[method.label]]
+                if method.spec.sweep
+                else [method.options]
+            )
+            candidates[method.label] = [_generator(method, backend, o) for o in options]
+            self.usage[method.label].end_setup()
+        return candidates
+
+    def warm_up_and_choose(
+        self,
+        methods: Sequence[Method],
+        candidates: Mapping[str, list[Generate]],
+        grids: Mapping[str, list[dict[str, int]]],
+    ) -> tuple[dict[str, dict[str, Generate]], dict[str, dict[str, Any]]]:
+        """Warm every generator up on the first prompt, then per method and task the generator
+        that runs (a sweep's fastest setting on the task's calibration prompts), and the
+        sweeps' reports."""
+        first = next(iter(self.encoded.values()))
+        generators: dict[str, dict[str, Generate]] = {}  # per method, per task
+        sweeps: dict[str, dict[str, Any]] = {}
+        for method in methods:
+            self.usage[method.label].start_setup()
+            for generate in candidates[method.label]:
+                generate(first, min(WARMUP_TOKENS, self.max_new_tokens))
+            self.usage[method.label].end_setup()
+            if method.spec.sweep:
+                sweeps[method.label], generators[method.label] = sweep(
+                    grids[method.label],
+                    candidates[method.label],
+                    self.calibration,
+                    self.max_new_tokens,
+                    self.bar,
+                )
+            else:
+                generators[method.label] = dict.fromkeys(self.tasks, candidates[method.label][0])
+        return generators, sweeps
+
+    def measure(
+        self,
+        methods: Sequence[Method],
+        generators: Mapping[str, Mapping[str, Generate]],
+        reference_of: Mapping[str, str],
+    ) -> tuple[list[dict[str, Any]], dict[str, tuple[Prompt, Output]]]:
+        """The timed runs, interleaved: per prompt, every method `repeats` times in rotated
+        order. Returns the records and, per DEL-like method, its longest trace."""
+        records: list[dict[str, Any]] = []
+        traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
+        for index, (prompt, ids) in enumerate(self.encoded.items()):
+            firsts: dict[str, tuple[Output, int]] = {}
+            times: dict[str, list[float]] = {m.label: [] for m in methods}
+            for repeat in range(self.repeats):
+                for turn, method in enumerate(rotated(methods, index + repeat)):
+                    self.bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
+                    generate = generators[method.label][prompt.task]
+                    self.usage[method.label].start_run()
+                    output, seconds = timed(generate, ids, self.max_new_tokens)
+                    self.usage[method.label].end_run()
+                    times[method.label].append(seconds)
+                    firsts.setdefault(method.label, (output, turn))
+                    self.bar.update()
+            outputs = {
+                label: (output, statistics.median(times[label]), turn)
+                for label, (output, turn) in firsts.items()
+            }
+            for label, (output, _) in firsts.items():
+                if output.layers and output.trace and "alpha" in output.trace[-1]:
+                    best = traced.get(label)
+                    if best is None or len(output.trace) > len(best[1].trace or ()):
+                        traced[label] = (prompt, output)
+            records += _records(self.lm, prompt, len(ids), methods, outputs, reference_of)
+        return records, traced
 
 
 def _method_info(method: Method) -> dict[str, Any]:
@@ -290,57 +267,6 @@ def _generator(method: Method, backend: Backend, options: Mapping[str, Any]) -> 
         return backend.generator(method.spec.strategy, options)
     except ConfigError as exc:
         raise ConfigError(f"method {method.label!r}: {exc}") from exc
-
-
-def _sweep_grid(method: Method, num_layers: int) -> list[dict[str, int]]:
-    """The (E, d) settings a sweep method tries: its `exit_layer` and `draft_length` options
-    (a value or a list), by default fractions of the model's depth and a few draft lengths."""
-    exits = sorted({max(1, round(num_layers * f)) for f in SWEEP_EXIT_FRACTIONS})
-    defaults = {"exit_layer": exits, "draft_length": list(SWEEP_DRAFT_LENGTHS)}
-    axes = []
-    for key in SWEEP_GRID_KEYS:
-        value = method.options.get(key, defaults[key])
-        axes.append(value if isinstance(value, list) else [value])
-    return [dict(zip(SWEEP_GRID_KEYS, point, strict=True)) for point in product(*axes)]
-
-
-def _sweep(
-    grid: list[dict[str, int]],
-    candidates: list[Generate],
-    calibration: Mapping[str, list[list[int]]],
-    max_new_tokens: int,
-    bar: tqdm,
-) -> tuple[dict[str, Any], dict[str, Generate]]:
-    """Per task, the grid setting with the best overall tokens/s on the task's calibration
-    prompts (settings interleaved per prompt), with its generator."""
-    report: dict[str, Any] = {}
-    chosen: dict[str, Generate] = {}
-    for task, prompts in calibration.items():
-        tokens = [0] * len(grid)
-        seconds = [0.0] * len(grid)
-        for index, ids in enumerate(prompts):
-            for point in _rotated(range(len(grid)), index):
-                bar.set_postfix_str(f"sweep {task} {grid[point]}", refresh=False)
-                output, wall = timed(candidates[point], ids, max_new_tokens)
-                tokens[point] += len(output.token_ids)
-                seconds[point] += wall
-                bar.update()
-        speeds = [t / s for t, s in zip(tokens, seconds, strict=True)]
-        best = max(range(len(grid)), key=speeds.__getitem__)
-        report[task] = {
-            "chosen": grid[best],
-            "grid": [{**p, "tokens_per_s": round(v, 3)} for p, v in zip(grid, speeds, strict=True)],
-            "calibration_prompts": len(prompts),
-        }
-        chosen[task] = candidates[best]
-    return report, chosen
-
-
-def _rotated(items: Sequence[_T] | range, shift: int) -> Iterator[_T]:
-    """`items` starting at position `shift` (mod its length), wrapping around."""
-    start = shift % len(items)
-    yield from items[start:]
-    yield from items[:start]
 
 
 def _records(
@@ -411,53 +337,3 @@ def _plotted_trace(
         "layers": output.layers,
         "rounds": output.trace,
     }
-
-
-def model_info(lm: LoadedModel) -> dict[str, Any]:
-    config = lm.model.config
-    return {
-        "name": lm.name,
-        "source": lm.source,
-        "layers": config.num_layers,
-        "parameters": lm.model.parameter_count,
-        "weights": lm.model.weights,
-        "dtype": str(lm.model.dtype).removeprefix("torch."),
-        "device": str(lm.model.device),
-    }
-
-
-def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, Any]:
-    """Versions, machine and invocation of this run."""
-    device = lm.model.device
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": command or shlex.join(sys.argv),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": metadata.version("transformers"),
-        "delspec": metadata.version("delspec"),
-        "llama_cpp_python": _version("llama-cpp-python"),
-        "threads": torch.get_num_threads(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-    }
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

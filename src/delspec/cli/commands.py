@@ -185,8 +185,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from delspec.bench.methods import parse_methods
+    from delspec.bench.prompt_sets import select_prompts
     from delspec.bench.report import summary_lines, write_report
-    from delspec.bench.runner import calibration_count, run_bench, select_prompts
+    from delspec.bench.runner import run_bench
+    from delspec.bench.sweeps import calibration_count
 
     methods = parse_methods(args.methods)
     tasks = args.tasks.split(",") if args.tasks else None

@@ -1,0 +1,66 @@
+"""What a bench run records about the model it ran and the machine it ran on."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from delspec.loading import LoadedModel
+
+
+def model_info(lm: LoadedModel) -> dict[str, Any]:
+    """The model a run measured: name, source, depth, size, weight format, dtype, device."""
+    config = lm.model.config
+    return {
+        "name": lm.name,
+        "source": lm.source,
+        "layers": config.num_layers,
+        "parameters": lm.model.parameter_count,
+        "weights": lm.model.weights,
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "device": str(lm.model.device),
+    }
+
+
+def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, Any]:
+    """Versions, machine and invocation of this run."""
+    device = lm.model.device
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": metadata.version("transformers"),
+        "delspec": metadata.version("delspec"),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
