@@ -102,34 +102,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
-        rope_scaling = hf.get("rope_scaling") or None
-        rope_theta = hf.get("rope_theta")
-        rope_params = hf.get("rope_parameters")  # transformers >= 5 stores RoPE settings here
-        rope_local_theta = hf.get("rope_local_base_freq")
-        if isinstance(rope_params, dict):
-            if "full_attention" in rope_params:  # per attention type (Gemma 3)
-                local = rope_params.get("sliding_attention") or {}
-                if local.get("rope_type", "default") != "default":
-                    raise ModelFormatError("rope scaling on sliding-window layers is not supported")
-                rope_local_theta = local.get("rope_theta", rope_local_theta)
-                rope_params = rope_params["full_attention"]
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-            None,
-            "default",
-        ):
-            rope_scaling = None
+        rope_theta, rope_scaling, rope_local_theta = _rope(hf)
         family = FAMILIES[model_type]
         num_layers = int(hf["num_hidden_layers"])
-        layer_types = tuple(hf.get("layer_types") or ())
-        pattern = hf.get("sliding_window_pattern", family.sliding_window_pattern)
-        if not layer_types and pattern:  # configs written before transformers 4.53
-            layer_types = tuple(
-                "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
-                for i in range(num_layers)
-            )
+        layer_types = _layer_types(hf, family, num_layers)
         sliding_window = hf.get("sliding_window") if layer_types else None
         query_scale = hf.get("query_pre_attn_scalar")
         return ModelConfig(
@@ -155,3 +131,40 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFormatError(f"config.json is missing or has a bad value for {exc}") from exc
+
+
+def _rope(hf: dict[str, Any]) -> tuple[Any, dict[str, Any] | None, Any]:
+    """The config's RoPE base, scaling (None for none) and local layers' base, from the fields
+    of transformers < 5 or its `rope_parameters` (per attention type for Gemma 3)."""
+    rope_scaling = hf.get("rope_scaling") or None
+    rope_theta = hf.get("rope_theta")
+    rope_params = hf.get("rope_parameters")  # transformers >= 5 stores RoPE settings here
+    rope_local_theta = hf.get("rope_local_base_freq")
+    if isinstance(rope_params, dict):
+        if "full_attention" in rope_params:  # per attention type (Gemma 3)
+            local = rope_params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ModelFormatError("rope scaling on sliding-window layers is not supported")
+            rope_local_theta = local.get("rope_theta", rope_local_theta)
+            rope_params = rope_params["full_attention"]
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+        None,
+        "default",
+    ):
+        rope_scaling = None
+    return rope_theta, rope_scaling, rope_local_theta
+
+
+def _layer_types(hf: dict[str, Any], family: Family, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention type; configs written before transformers 4.53 give a pattern."""
+    layer_types = tuple(hf.get("layer_types") or ())
+    pattern = hf.get("sliding_window_pattern", family.sliding_window_pattern)
+    if not layer_types and pattern:
+        layer_types = tuple(
+            "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+            for i in range(num_layers)
+        )
+    return layer_types
