@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from delspec import load_model
 from delspec.generate import decode_tokens
-from delspec.loading import converted_checkpoint, default_model_path
+from delspec.gguf_conversion import converted_checkpoint
+from delspec.named_models import default_model_path
 from delspec.policies import make_policy
 
 PROMPTS = [

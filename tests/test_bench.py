@@ -19,7 +19,8 @@ from delspec.bench.metrics import first_divergence
 from delspec.bench.tasks import TASKS
 from delspec.cli import main
 from delspec.errors import ConfigError
-from delspec.loading import converted_checkpoint, default_model_path
+from delspec.gguf_conversion import converted_checkpoint
+from delspec.named_models import default_model_path
 
 LAYERS = 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -15,14 +15,10 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from delspec.architectures import config_from_hf
 from delspec.errors import ModelFormatError
-from delspec.loading import (
-    NAMED_MODELS,
-    NamedModel,
-    converted_checkpoint,
-    load_model,
-    named_model_path,
-)
+from delspec.gguf_conversion import converted_checkpoint
+from delspec.loading import load_model
 from delspec.model import build_model
+from delspec.named_models import NAMED_MODELS, NamedModel, named_model_path
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"] + 2 * ["full_attention"]
 SHAPES = [

@@ -25,17 +25,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from delspec import loading
+from delspec import gguf_conversion
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.loading import (
-    LoadedModel,
-    converted_checkpoint,
-    default_model_path,
-    load_model,
-    named_model_path,
-    resolve_dtype,
-)
+from delspec.gguf_conversion import converted_checkpoint
+from delspec.loading import LoadedModel, load_model, resolve_dtype
+from delspec.named_models import default_model_path, named_model_path
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -328,8 +323,10 @@ def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkey
     model = tiny_llama()
     path = write_gguf(model, tmp_path / "tiny.Q.gguf")
     calls = []
-    convert = loading._convert_gguf
-    monkeypatch.setattr(loading, "_convert_gguf", lambda *a: (calls.append(a), convert(*a))[-1])
+    convert = gguf_conversion._convert_gguf
+    monkeypatch.setattr(
+        gguf_conversion, "_convert_gguf", lambda *a: (calls.append(a), convert(*a))[-1]
+    )
 
     loaded = load_model(path)
     assert "first load only, cached in" in capsys.readouterr().err
@@ -449,7 +446,7 @@ def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
     writer.add_rope_scaling_factor(8.0)
     config = Gemma3TextConfig()
     reader = gguf.GGUFReader(_finish(writer, path))
-    loading._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
+    gguf_conversion._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
     assert config.rope_parameters["full_attention"] == {
         "rope_type": "linear",
         "factor": 8.0,
@@ -529,6 +526,6 @@ def test_smollm2_second_load_uses_the_cache(smollm2, monkeypatch):
     def fail(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(loading, "_convert_gguf", fail)
+    monkeypatch.setattr(gguf_conversion, "_convert_gguf", fail)
     checkpoint = converted_checkpoint(default_model_path())  # what load_model loads
     assert (checkpoint / "model.safetensors").is_file()

@@ -23,8 +23,9 @@ from torch import Tensor
 
 from delspec.cache import cache_dir, write_atomically
 from delspec.errors import ModelFormatError
-from delspec.loading import NAMED_MODELS, LoadedModel, named_model_path
+from delspec.loading import LoadedModel
 from delspec.model import Transformer
+from delspec.named_models import NAMED_MODELS, named_model_path
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"

@@ -1,5 +1,10 @@
 """Errors that delspec reports to users as a message, never as a traceback."""
 
+from safetensors import SafetensorError
+
+# What libraries raise on a file they cannot read; reported as a ModelFormatError.
+LIBRARY_ERRORS = (OSError, ValueError, LookupError, TypeError, RuntimeError, SafetensorError)
+
 
 class DelspecError(Exception):
     """Base class: the message alone tells the user what is wrong."""

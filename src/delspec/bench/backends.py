@@ -28,7 +28,8 @@ from delspec.decode_config import strategy_options
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError
 from delspec.generate import Stats, decode_tokens
-from delspec.loading import LoadedModel, converted_checkpoint, load_model
+from delspec.gguf_conversion import converted_checkpoint
+from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy
 from delspec.policies.fixed import Static
 
