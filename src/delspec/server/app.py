@@ -135,6 +135,35 @@ class _Service:
         limit_param: str,
         chat: bool,
     ) -> Response:
+        job = self._submit(body, prompt_ids, limit, limit_param)
+        reply = Reply(chat, self.name, len(prompt_ids))
+        streaming = False
+        try:
+            await self._started(job, request)
+            if body.stream:
+                streaming = True
+                return StreamingResponse(
+                    self._stream(job, reply),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            kind, value = await self._next_event(job, request)  # "done" or "error"
+            if kind == "error":
+                raise as_api_error(value)
+            if job.timed_out:
+                raise self._timeout_error()
+            return JSONResponse(reply.response(value))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                self.worker.withdraw(job)
+
+    def _submit(
+        self, body: GenerationRequest, prompt_ids: list[int], limit: int | None, limit_param: str
+    ) -> Job:
+        """Queue the generation `body` asks for (at most `limit` new tokens, which request
+        field `limit_param` set); 429 when the queue is full."""
         if limit is not None and limit > self.context:
             raise APIError(
                 400,
@@ -167,28 +196,7 @@ class _Service:
                 kind="rate_limit_error",
                 headers={"Retry-After": "1"},
             ) from None
-        reply = Reply(chat, self.name, len(prompt_ids))
-        streaming = False
-        try:
-            await self._started(job, request)
-            if body.stream:
-                streaming = True
-                return StreamingResponse(
-                    self._stream(job, reply),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
-                )
-            kind, value = await self._next_event(job, request)  # "done" or "error"
-            if kind == "error":
-                raise as_api_error(value)
-            if job.timed_out:
-                raise self._timeout_error()
-            return JSONResponse(reply.response(value))
-        except _ClientGone:
-            return Response(status_code=499)
-        finally:
-            if not streaming:
-                self.worker.withdraw(job)
+        return job
 
     async def _started(self, job: Job, request: Request) -> None:
         """Waits for the worker to start `job`; 503 when it waited too long in the queue."""
@@ -284,7 +292,6 @@ def create_app(
     metrics = Metrics(lm.model.num_layers)
     worker = Worker(lm, max_queue, metrics)
     service = _Service(lm, config, worker, name, request_timeout, queue_timeout)
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -295,6 +302,14 @@ def create_app(
     app = FastAPI(title="delspec", lifespan=lifespan)
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     _add_error_handlers(app)
+    _add_routes(app, service, metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, service: _Service, metrics: Metrics) -> None:
+    """The `ENDPOINTS`: health, Prometheus metrics, the model list and the completions."""
+    worker, name = service.worker, service.name
+    started = int(time.time())
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -326,8 +341,6 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await service.completion(request, body)
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
