@@ -8,8 +8,7 @@ import json
 import gguf
 import pytest
 import torch
-from test_loading import save_hf_dir
-from tiny_models import tiny_model
+from tiny_models import save_hf_dir, tiny_model
 
 from delspec.adapters import ExitAdapters, default_adapters_path, load_adapters, save_adapters
 from delspec.calibration import fit_adapters, read_prompts

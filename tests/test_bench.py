@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from matplotlib.image import imread
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_hf_llama
+from transformers import AutoTokenizer
 
 from delspec.bench.backends import BACKENDS, LLAMA_CMAKE_ARGS, DelspecBackend, Generate, Output
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
@@ -45,20 +46,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     change the residual stream, so early exits agree with the full model and drafts get accepted.
     """
     tokenizer = AutoTokenizer.from_pretrained(converted_checkpoint(default_model_path()))
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_hf_llama(
         vocab_size=len(tokenizer),
-        hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)  # peaked logits: no near-ties
         for layer in model.model.layers[2:]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_hf_gemma3
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from delspec.architectures import config_from_hf
@@ -20,7 +21,6 @@ from delspec.loading import load_model
 from delspec.model import build_model
 from delspec.named_models import NAMED_MODELS, NamedModel, named_model_path
 
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"] + 2 * ["full_attention"]
 SHAPES = [
     dict(),
     dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),  # global layers only
@@ -31,38 +31,11 @@ SHAPES = [
 TOLERANCES = [(torch.float32, 3e-5), (torch.float64, 1e-5)]
 
 
-def tiny_gemma3(dtype: torch.dtype, **overrides) -> Gemma3ForCausalLM:
-    """Windows (5) shorter than the test sequences, GQA, head_dim != hidden/heads, distinct RoPE
-    bases and a query_pre_attn_scalar that is not head_dim; weights large enough to matter."""
-    torch.manual_seed(0)
-    options = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=128,
-        query_pre_attn_scalar=20,
-        sliding_window=5,
-        layer_types=LAYER_TYPES,
-        rope_theta=50000.0,
-        rope_local_base_freq=300.0,
-        final_logit_softcapping=30.0,
-    )
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**options, **overrides}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.3 if "norm" in name else 0.2)
-    return model.to(dtype).eval()
-
-
 @pytest.mark.parametrize("dtype,tol", TOLERANCES)
 @pytest.mark.parametrize("extra", SHAPES)
 @torch.no_grad()
 def test_logits_match_transformers(extra, dtype, tol):
-    reference = tiny_gemma3(dtype, **extra)
+    reference = tiny_hf_gemma3(dtype, **extra)
     config = config_from_hf(reference.config.to_dict())
     ours = build_model(config, reference.state_dict(), dtype=dtype)
     ids = torch.randint(0, 101, (24,))

