@@ -63,6 +63,30 @@ class LoadedModel:
             messages, tokenize=False, add_generation_prompt=True
         )
 
+    def describe(self) -> dict[str, Any]:
+        """The model's name, source, architecture, shapes, size and where it runs (what
+        `delspec info` shows)."""
+        model, cfg = self.model, self.model.config
+        return {
+            "name": self.name,
+            "source": self.source,
+            "architecture": cfg.family,
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "attention_heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "context": cfg.max_position,
+            "tied_embeddings": cfg.tie_embeddings,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
+            "parameters": model.parameter_count,
+            "weights": model.weights,
+            "weight_mb": round(model.weight_bytes / 2**20, 1),
+        }
+
 
 def load_model(
     source: str | os.PathLike | None = None,

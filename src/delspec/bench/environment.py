@@ -14,19 +14,13 @@ import torch
 
 from delspec.loading import LoadedModel
 
+MODEL_FIELDS = ("name", "source", "layers", "parameters", "weights", "dtype", "device")
+
 
 def model_info(lm: LoadedModel) -> dict[str, Any]:
-    """The model a run measured: name, source, depth, size, weight format, dtype, device."""
-    config = lm.model.config
-    return {
-        "name": lm.name,
-        "source": lm.source,
-        "layers": config.num_layers,
-        "parameters": lm.model.parameter_count,
-        "weights": lm.model.weights,
-        "dtype": str(lm.model.dtype).removeprefix("torch."),
-        "device": str(lm.model.device),
-    }
+    """The model a run measured: `MODEL_FIELDS` of `LoadedModel.describe`."""
+    described = lm.describe()
+    return {key: described[key] for key in MODEL_FIELDS}
 
 
 def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, Any]:

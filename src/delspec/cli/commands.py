@@ -96,27 +96,7 @@ def add_info(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    lm = load(args)
-    cfg = lm.model.config
-    info = {
-        "name": lm.name,
-        "source": lm.source,
-        "architecture": cfg.family,
-        "layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "attention_heads": cfg.num_heads,
-        "kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "context": cfg.max_position,
-        "tied_embeddings": cfg.tie_embeddings,
-        "dtype": str(lm.model.dtype).removeprefix("torch."),
-        "device": str(lm.model.device),
-        "parameters": lm.model.parameter_count,
-        "weights": lm.model.weights,
-        "weight_mb": round(lm.model.weight_bytes / 2**20, 1),
-    }
+    info = load(args).describe()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
