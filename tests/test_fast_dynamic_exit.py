@@ -176,7 +176,8 @@ def test_a_scored_round_takes_only_the_positions_its_credit_affords():
     model = tiny_model(seed=3, num_layers=LAYERS)
     policy = make_policy("del", LAYERS, shadow_budget=0.01, no_draft=True)
     policy.start(ExitHead(model))
-    policy.warm, policy.exit_layer, policy.row_cost = False, 5, 0.001  # 1 ms per (layer, position)
+    policy.in_warmup, policy.exit_layer = False, 5
+    policy.row_cost = 0.001  # 1 ms per (layer, position)
     hidden = torch.zeros(LAYERS, 12, model.config.hidden_size, dtype=model.dtype)
     drafts = list(range(11))
     record = Round(0, 5, drafts, [0.9] * 11, 11, [*drafts, 0], torch.zeros(12).long(), hidden)

@@ -68,7 +68,7 @@ class DynamicExit(Policy):
             raise ConfigError("DEL needs at least one candidate exit layer")
         # `start` adds layer L to the default candidates when the head drafts it cheaply.
         self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
-        self.final_exit = options.candidates is None
+        self.may_add_final_layer = options.candidates is None
         self.omega, self.draft_cap = options.omega, options.draft_cap
         self.warmup_window, self.dynamic_draft = options.warmup, options.dynamic_draft
         self.draft_lengths = torch.arange(options.gamma_min, options.gamma_max)
@@ -78,7 +78,7 @@ class DynamicExit(Policy):
 
     def start(self, exit_head: ExitHead) -> None:
         self.exit_head = exit_head
-        final = self.final_exit and exit_head.cheaper_at_final_layer
+        final = self.may_add_final_layer and exit_head.cheaper_at_final_layer
         self.candidates = self.base_candidates + ([self.num_layers] if final else [])
         self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
         # statistics rows (level, candidate), level-major: each row's exit layer
@@ -86,15 +86,15 @@ class DynamicExit(Policy):
         self.stats = ExitStatistics(self.levels * len(self.candidates), self.omega)
         self.tau_exit = float(self.stats.threshold()[0])
         self.alpha_trace = [0.0] * len(self.candidates)
-        self.warm = True
+        self.in_warmup = True
 
     def plan(self) -> Plan:
-        if self.warm:  # round 0: the paper drafts one token with the first candidate
+        if self.in_warmup:  # round 0: the paper drafts one token with the first candidate
             return Plan(self.candidates[0], 1)
-        return Plan(self.exit_layer, self.draft_limit, self.level)
+        return Plan(self.exit_layer, self.next_draft_cap, self.level)
 
     @property
-    def draft_limit(self) -> int:
+    def next_draft_cap(self) -> int:
         """The next draft's cap: `draft_cap` (the paper), else d*, never above `draft_cap`."""
         return min(self.draft_length, self.draft_cap) if self.cap_at_optimum else self.draft_cap
 
@@ -115,7 +115,7 @@ class DynamicExit(Policy):
             alpha=self.alpha_trace,
             next_exit_layer=self.exit_layer,
             next_draft_length=self.draft_length,
-            next_draft_cap=self.draft_limit,
+            next_draft_cap=self.next_draft_cap,
             next_level=self.level,
             shadow_s=shadow_s,
             scored_layers=scored_layers,
@@ -163,4 +163,4 @@ class DynamicExit(Policy):
         self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
         self.tau_exit = float(self.stats.threshold()[row])
-        self.warm = False
+        self.in_warmup = False

@@ -103,13 +103,13 @@ class FastDynamicExit(DynamicExit):
         return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
 
     def plan(self) -> Plan:
-        if self.no_draft and (self.warm or self.draft_length == 0):
+        if self.no_draft and (self.in_warmup or self.draft_length == 0):
             return Plan(0, 0)
         return super().plan()
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
-        warm = self.warm
+        in_warmup = self.in_warmup
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -123,8 +123,8 @@ class FastDynamicExit(DynamicExit):
         # The warm-up is a one-off per prompt, like the prefill: it is not charged to the budget.
         if rows is not None and self.shadow_budget is not None:
             self.row_cost = elapsed / (len(rows) * len(positions))
-            self.credit -= 0.0 if warm else elapsed
-        if isinstance(self.cost, MeasuredCost) and not warm:
+            self.credit -= 0.0 if in_warmup else elapsed
+        if isinstance(self.cost, MeasuredCost) and not in_warmup:
             self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
@@ -134,7 +134,7 @@ class FastDynamicExit(DynamicExit):
         everything = torch.arange(record.targets.shape[0])
         if self.shadow_budget is None:
             return torch.arange(len(self.candidates)), everything
-        if self.warm:  # a spread of candidates, the deepest included; rotation adds the rest
+        if self.in_warmup:  # a spread of candidates, the deepest included; rotation adds the rest
             spread = torch.linspace(0, len(self.candidates) - 1, WARM_LAYERS)
             return spread.round().long().unique(), everything
         if record.hidden is None:
