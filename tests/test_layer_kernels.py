@@ -1,15 +1,17 @@
 """The compiled layer kernels against torch references: fused attention (norms, RoPE, cache
 write, causal attention), RMS norm and the gated activation; rows' bits independent of how many
-rows are computed together."""
+rows are computed together; a whole layer range in one call equal to the layer-by-layer path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model
 
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
+from delspec.kernels.layers import LayerKernels
 from delspec.model import apply_rope, rope_inv_freq, rope_table
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
@@ -120,3 +122,57 @@ def test_attention_takes_a_column_major_projection():
         column_major, *tables, torch.zeros(2, 2, LENGTH, DIM), 4, HEADS, None, 0.3
     )
     assert torch.equal(got, row_major)
+
+
+FAMILIES = {
+    "llama": {},
+    "qwen2 (q/k/v bias)": {"family": "qwen2"},
+    "gemma3 (head norms, sandwich norms, GELU, sliding window)": {
+        "family": "gemma3_text",
+        "sliding_window": 4,
+        "layer_types": ("sliding_attention",) * 5 + ("full_attention",),
+        "rope_local_theta": 10000.0,
+    },
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", list(FAMILIES), ids=lambda f: f.split(" ")[0])
+def test_compiled_layer_range_equals_one_operation_at_a_time(family, threads, monkeypatch):
+    """A model on block weights runs its layers in one compiled call (`dl_layers`): the same bits
+    as the layer-by-layer path (states, collected states, cache), and each row the same whether
+    computed alone or with others (fewer and more rows than the cache is written ahead for)."""
+    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, **FAMILIES[family])
+    model.setup_cache(32)
+    compiled = model.compiled_layers()
+    assert compiled is not None
+    ids = torch.randint(
+        0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)
+    )
+    count = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            runs = {}
+            for kind in ("compiled", "eager"):
+                if kind == "eager":  # a model the compiled layers cannot take
+                    monkeypatch.setattr(LayerKernels, "for_model", staticmethod(lambda m: None))
+                model._layer_binding = None
+                assert (model.compiled_layers() is None) == (kind == "eager")
+                states: list[torch.Tensor] = []
+                out = model.run_layers(model.embed(ids), 0, 0, model.num_layers, states)
+                runs[kind] = (out, torch.stack(states), model.cache.clone())
+            for a, b in zip(runs["compiled"], runs["eager"], strict=True):
+                assert torch.equal(a, b)
+            monkeypatch.undo()
+            model._layer_binding = None
+            full = runs["compiled"][0]
+            for rows in (1, 3, 6):  # below and above the rows that write the cache first
+                parts = [
+                    model.run_layers(model.embed(ids[i : i + rows]), i, 0, model.num_layers)
+                    for i in range(0, len(ids), rows)
+                ]
+                assert torch.equal(torch.cat(parts), full), rows
+            assert torch.equal(model.cache, runs["compiled"][2])
+    finally:
+        torch.set_num_threads(count)

@@ -22,6 +22,7 @@ from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.blocks import BlockWeight
+from delspec.kernels.layers import LayerKernels
 from delspec.kernels.products import (
     BLOCK_KERNELS,
     FLOAT_KERNELS,
@@ -285,6 +286,8 @@ class Transformer(nn.Module):
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
         self.embed_blocks: BlockWeight | None = None  # replaces embedding.weight when set
         self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
+        # (what it was bound to, the layers as one compiled call or None): see compiled_layers
+        self._layer_binding: tuple[tuple[int, ...], LayerKernels | None] | None = None
 
     def use_blocks(self, blocks: dict[str, BlockWeight], weights: str) -> None:
         """Hold the listed weights as blocks: `blocks` maps a `Linear`'s module name (or
@@ -386,6 +389,25 @@ class Transformer(nn.Module):
             )
             for sliding, theta in tables.items()
         }
+        self._layer_binding = None
+
+    def compiled_layers(self) -> LayerKernels | None:
+        """The layers as one compiled call bound to this cache (block weights in float32 on
+        CPU), or None. Bound again after the cache, the device or the dtype changed."""
+        key = (
+            self.cache.data_ptr(),
+            self.norm.weight.data_ptr(),
+            self.layers[0].attn_norm.weight.data_ptr(),
+        )
+        if self._layer_binding is None or self._layer_binding[0] != key:
+            compiled = LayerKernels.for_model(self)
+            if compiled is not None:
+                compiled.bind(self.cache, self._rope)
+            self._layer_binding = (key, compiled)
+        return self._layer_binding[1]
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy binds its own cache and weights
+        return {**self.__dict__, "_layer_binding": None}
 
     def _inv_freq(self, theta: float, sliding: bool) -> Tensor:
         # Gemma 3's local layers use the plain RoPE base without the global layers' scaling.
@@ -430,6 +452,9 @@ class Transformer(nn.Module):
             raise ContextLengthError(
                 f"position {start + n - 1} is beyond the KV cache of {self.cache_length} positions"
             )
+        compiled = self.compiled_layers()
+        if compiled is not None:
+            return compiled.run(h, start, first, last, collect)
         cfg = self.config
         masks = {False: self._mask(start, n, None)}
         if cfg.sliding_window is not None:

@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+#include <omp.h>
+
 #define LANES 8
 
 /* e^x for x <= 0: 2^(x log2 e) split into integer and fraction, the fraction by a polynomial
@@ -104,6 +107,100 @@ static void rope(const float *x, const float *cos, const float *sin, int dim, fl
     for (int i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+int64_t dl_attention_scratch(const AttentionShape *s, int64_t start, int64_t rows) {
+    return start + rows + (2 + rows) * (int64_t)s->dim;
+}
+
+/* Key `r` of the call's new rows (normed, rotated) into `out`; `scratch`: dim floats. */
+static void new_key(const AttentionShape *s, const float *qkv, int64_t ld_qkv, const float *cos,
+                    const float *sin, int kv_head, int r, float *scratch, float *out) {
+    int dim = s->dim;
+    const float *k = qkv + (int64_t)r * ld_qkv + (int64_t)(s->heads + kv_head) * dim;
+    for (int i = 0; i < dim; ++i) scratch[i] = k[i];
+    head_norm(scratch, dim, s->k_norm, s->norm_eps, s->norm_offset);
+    rope(scratch, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, out);
+}
+
+void dl_attention_write(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
+                        const float *cos, const float *sin, float *keys, float *values, int rows,
+                        int64_t start) {
+    int dim = s->dim;
+#pragma omp for schedule(static)
+    for (int task = 0; task < rows * s->kv_heads; ++task) {
+        int r = task / s->kv_heads, g = task % s->kv_heads;
+        float scratch[dim];
+        const float *v = qkv + (int64_t)r * ld_qkv + (int64_t)(s->heads + s->kv_heads + g) * dim;
+        float *slot = keys + g * s->kv_stride + (start + r) * dim;
+        float *vslot = values + g * s->kv_stride + (start + r) * dim;
+        new_key(s, qkv, ld_qkv, cos, sin, g, r, scratch, slot);
+        for (int i = 0; i < dim; ++i) vslot[i] = v[i];
+    }
+}
+
+void dl_attention_rows(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
+                       const float *cos, const float *sin, float *keys, float *values, float *out,
+                       int rows, int64_t start, int written, float *scratch) {
+    int dim = s->dim, heads = s->heads, group = heads / s->kv_heads;
+    int64_t v_offset = (int64_t)(heads + s->kv_heads) * dim;
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < heads * rows; ++task) {
+        int h = task / rows, r = task % rows, g = h / group;
+        int64_t p = start + r, lo = s->window > 0 && p - s->window + 1 > 0 ? p - s->window + 1 : 0;
+        float *scores = scratch, *normed = scores + start + rows, *qr = normed + dim;
+        float *fresh = qr + dim; /* unless written: keys of new rows 0..r, [r + 1][dim] */
+        const float *q = qkv + (int64_t)r * ld_qkv + (int64_t)h * dim;
+        for (int i = 0; i < dim; ++i) normed[i] = q[i];
+        head_norm(normed, dim, s->q_norm, s->norm_eps, s->norm_offset);
+        rope(normed, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, qr);
+        const float *k = keys + (int64_t)g * s->kv_stride, *v = values + (int64_t)g * s->kv_stride;
+        int64_t cached = written ? p + 1 : start; /* positions read from the cache */
+        if (!written) {
+            for (int n = 0; n <= r; ++n)
+                new_key(s, qkv, ld_qkv, cos, sin, g, n, normed, fresh + n * dim);
+            if (h % group == 0) { /* this row's key and value go into the cache for later calls */
+                float *slot = keys + g * s->kv_stride + p * dim;
+                float *vslot = values + g * s->kv_stride + p * dim;
+                const float *value = qkv + (int64_t)r * ld_qkv + v_offset + (int64_t)g * dim;
+                for (int i = 0; i < dim; ++i) slot[i] = fresh[r * dim + i], vslot[i] = value[i];
+            }
+        }
+        /* keys and values are the same bits from the cache or computed afresh */
+        int64_t j = lo;
+        for (; j + 4 <= cached; j += 4) dot4(qr, k + j * dim, dim, scores + j);
+        for (; j < cached; ++j) scores[j] = dot(qr, k + j * dim, dim);
+        for (j = j > cached ? j : cached; j <= p; ++j)
+            scores[j] = dot(qr, fresh + (j - start) * dim, dim);
+        for (j = lo; j <= p; ++j) scores[j] *= s->scale;
+        float total = exp_sum(scores + lo, p + 1 - lo, largest(scores + lo, p + 1 - lo));
+        float *o = out + (int64_t)r * heads * dim + (int64_t)h * dim;
+        for (int i = 0; i < dim; ++i) o[i] = 0.0f;
+        /* o += scores[j] * value[j] in order of j, four value rows per pass over o */
+        for (j = lo; j <= p; j += 4) {
+            int n = p + 1 - j < 4 ? (int)(p + 1 - j) : 4;
+            const float *value[4];
+            for (int t = 0; t < n; ++t)
+                value[t] = j + t < cached ? v + (j + t) * dim
+                                          : qkv + (j + t - start) * ld_qkv + v_offset + (int64_t)g * dim;
+            const float *w = scores + j;
+            if (n == 4) {
+                for (int i = 0; i < dim; ++i) {
+                    float sum = o[i];
+                    sum += w[0] * value[0][i];
+                    sum += w[1] * value[1][i];
+                    sum += w[2] * value[2][i];
+                    sum += w[3] * value[3][i];
+                    o[i] = sum;
+                }
+            } else {
+                for (int t = 0; t < n; ++t)
+                    for (int i = 0; i < dim; ++i) o[i] += w[t] * value[t][i];
+            }
+        }
+        float inv = 1.0f / total;
+        for (int i = 0; i < dim; ++i) o[i] *= inv;
+    }
+}
+
 /* One layer's attention for `rows` new positions start.. from their fused projection `qkv`
  * ([rows][ld_qkv]: heads * dim query values, then kv_heads * dim keys, then as many values).
  * Writes the new keys (normed, rotated) and values into `keys`/`values` ([kv_heads][kv_stride /
@@ -117,68 +214,15 @@ int dl_attention(const float *qkv, int64_t ld_qkv, const float *cos, const float
                  int rows, int64_t start, int64_t kv_stride, int64_t window, float scale,
                  int threads) {
     if (dim % LANES) return -1;
-    int group = heads / kv_heads, failed = 0;
-    int64_t positions = start + rows;
-    float *scratch = malloc((size_t)dim * sizeof(float));
+    AttentionShape s = {heads, kv_heads, dim, kv_stride, window, scale,
+                        q_norm, k_norm, norm_eps, norm_offset};
+    int64_t positions = start + rows, each = dl_attention_scratch(&s, start, rows);
+    int team = threads > 1 && (int64_t)heads * rows * positions > 4096 ? threads : 1;
+    float *scratch = malloc((size_t)(each * team) * sizeof(float));
     if (!scratch) return -2;
-    for (int r = 0; r < rows; ++r) {
-        const float *row = qkv + (int64_t)r * ld_qkv;
-        for (int h = 0; h < kv_heads; ++h) {
-            const float *k = row + (int64_t)(heads + h) * dim;
-            const float *v = row + (int64_t)(heads + kv_heads + h) * dim;
-            float *slot = keys + h * kv_stride + (start + r) * dim;
-            for (int i = 0; i < dim; ++i) scratch[i] = k[i];
-            head_norm(scratch, dim, k_norm, norm_eps, norm_offset);
-            rope(scratch, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, slot);
-            float *vslot = values + h * kv_stride + (start + r) * dim;
-            for (int i = 0; i < dim; ++i) vslot[i] = v[i];
-        }
-    }
+#pragma omp parallel num_threads(team) if (team > 1)
+    dl_attention_rows(&s, qkv, ld_qkv, cos, sin, keys, values, out, rows, start, 0,
+                      scratch + each * omp_get_thread_num());
     free(scratch);
-#pragma omp parallel num_threads(threads) if (threads > 1 && (int64_t)heads * rows * positions > 4096)
-    {
-        float *scores = malloc((size_t)(positions + 2 * dim) * sizeof(float));
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < heads * rows; ++task) {
-            if (!scores) continue;
-            int h = task / rows, r = task % rows;
-            int64_t p = start + r, lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            float *normed = scores + positions, *qr = normed + dim;
-            const float *q = qkv + (int64_t)r * ld_qkv + (int64_t)h * dim;
-            for (int i = 0; i < dim; ++i) normed[i] = q[i];
-            head_norm(normed, dim, q_norm, norm_eps, norm_offset);
-            rope(normed, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, qr);
-            const float *k = keys + (int64_t)(h / group) * kv_stride;
-            const float *v = values + (int64_t)(h / group) * kv_stride;
-            int64_t j = lo;
-            for (; j + 4 <= p + 1; j += 4) dot4(qr, k + j * dim, dim, scores + j);
-            for (; j <= p; ++j) scores[j] = dot(qr, k + j * dim, dim);
-            for (j = lo; j <= p; ++j) scores[j] *= scale;
-            float total = exp_sum(scores + lo, p + 1 - lo, largest(scores + lo, p + 1 - lo));
-            float *o = out + (int64_t)r * heads * dim + (int64_t)h * dim;
-            for (int i = 0; i < dim; ++i) o[i] = 0.0f;
-            /* o += scores[j] * v[j] in order of j, four values rows per pass over o */
-            for (j = lo; j + 4 <= p + 1; j += 4) {
-                const float *v0 = v + j * dim, *s = scores + j;
-                for (int i = 0; i < dim; ++i) {
-                    float sum = o[i];
-                    sum += s[0] * v0[i];
-                    sum += s[1] * v0[dim + i];
-                    sum += s[2] * v0[2 * dim + i];
-                    sum += s[3] * v0[3 * dim + i];
-                    o[i] = sum;
-                }
-            }
-            for (; j <= p; ++j)
-                for (int i = 0; i < dim; ++i) o[i] += scores[j] * v[j * dim + i];
-            float inv = 1.0f / total;
-            for (int i = 0; i < dim; ++i) o[i] *= inv;
-        }
-        free(scores);
-    }
-    return failed ? -2 : 0;
+    return 0;
 }

@@ -23,8 +23,10 @@ from pathlib import Path
 from delspec.cache import cache_dir, write_atomically
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("gguf_blocks.c", "attention.c", "layer_ops.c")
+    Path(__file__).with_name(name)
+    for name in ("gguf_blocks.c", "attention.c", "layer_ops.c", "layers.c")
 ]
+HEADER = Path(__file__).with_name("kernels.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_VNNI = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _COMMON = [
@@ -102,7 +104,7 @@ def library() -> ctypes.CDLL | None:
         ).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError):
         version = []
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, HEADER)]
     key = hashlib.sha256("\n".join([*texts, *flags, compiler, *version]).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"delspec_kernels-{key}.so"
     if not path.is_file():
@@ -124,7 +126,7 @@ def library() -> ctypes.CDLL | None:
 
 def _compile(compiler: str, flags: list[str], out: Path) -> None:
     result = subprocess.run(
-        [compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"],
+        [compiler, *flags, f"-I{HEADER.parent}", *map(str, SOURCES), "-o", str(out), "-lm"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -154,3 +156,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_rms_norm.restype = None
     lib.dl_gated.argtypes = [p, i32, i32, i32, p]
     lib.dl_gated.restype = None
+    lib.dl_layers.argtypes = [p, p, i64, i64, i32, i32, p, i32]
+    lib.dl_layers.restype = i32

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -259,39 +261,22 @@ static void tile_scales(int type, const uint8_t *t, int l, int g, float *s, floa
 
 /* ---- activations ------------------------------------------------------------------------ */
 
-/* x quantised per group of 32: values q [M][K], and per row and group the scale d and d times
- * the sum of q over the group (`sum`) and over each half (`half`, [M][G][2]). */
-typedef struct {
-    int8_t *q;
-    float *d, *sum, *half;
-    int64_t K, G;
-} Activations;
+size_t dl_activation_bytes(int64_t M, int64_t K) {
+    size_t G = (size_t)(K / GROUP);
+    return ((size_t)(M * K) + 4 * (size_t)M * G * 4 + 127) / 64 * 64;
+}
 
-/* Points `a` at this thread's scratch space for M rows of K values (grown as needed, kept for
- * the next call: no allocation per product). Returns 0, or -2 when out of memory. */
-static int scratch_activations(Activations *a, int64_t M, int64_t K) {
-    static __thread void *buffer = NULL;
-    static __thread size_t capacity = 0;
-    size_t G = (size_t)(K / GROUP), need = (size_t)(M * K) + 4 * (size_t)M * G * 4 + 64;
-    if (need > capacity) {
-        free(buffer);
-        capacity = (need + 63) / 64 * 64;
-        buffer = aligned_alloc(64, capacity);
-        if (!buffer) {
-            capacity = 0;
-            return -2;
-        }
-    }
-    a->d = buffer;
+void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K) {
+    int64_t G = K / GROUP;
+    a->d = memory;
     a->sum = a->d + M * G;
     a->half = a->sum + M * G;
     a->q = (int8_t *)(a->half + 2 * M * G);
-    a->K = K, a->G = (int64_t)G;
-    return 0;
+    a->K = K, a->G = G;
 }
 
-static void quantise_rows(const float *x, int64_t ldx, int64_t M, Activations *a) {
-    for (int64_t r = 0; r < M; ++r) {
+void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a) {
+    for (int64_t r = first; r < first + count; ++r) {
         for (int64_t g = 0; g < a->G; ++g) {
             const float *v = x + r * ldx + g * GROUP;
             float amax = 0.0f;
@@ -645,33 +630,60 @@ int dl_dequantize(int type, const uint8_t *tiles, int64_t K, const int64_t *rows
     return 0;
 }
 
+int64_t dl_tile_stride(int type, int64_t K) {
+    Layout L;
+    return layout_of(type, &L) ? K / L.values * L.tile_bytes : 0;
+}
+
+void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t M, float *y,
+             int64_t ldy, int width) {
+    Layout L;
+    layout_of(type, &L);
+    float out[MAX_ROWS][TILE];
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+        Activations part = *a;
+        part.q = a->q + m0 * a->K, part.d = a->d + m0 * a->G, part.sum = a->sum + m0 * a->G;
+        part.half = a->half + 2 * m0 * a->G;
+        tile_product(type, &L, tile, &part, rows, out);
+        for (int r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, out[r], (size_t)width * sizeof(float));
+    }
+}
+
+void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activations *a, int64_t M,
+                     float *y, int64_t ldy) {
+    int64_t tiles_n = (N + TILE - 1) / TILE, stride = dl_tile_stride(type, a->K);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t t = 0; t < tiles_n; ++t)
+        dl_tile(type, tiles + t * stride, a, M, y + t * TILE, ldy,
+                N - t * TILE < TILE ? (int)(N - t * TILE) : TILE);
+}
+
+/* Thread-local scratch of at least `bytes` (grown as needed, kept for the next call: no
+ * allocation per product); NULL when out of memory. */
+static void *scratch(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = (bytes + 63) / 64 * 64;
+        buffer = aligned_alloc(64, capacity);
+        if (!buffer) capacity = 0;
+    }
+    return buffer;
+}
+
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N, W tiled (dl_pack). Returns 0, or -1 for an
  * unsupported type or shape, -2 when out of memory. */
 int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, int threads) {
-    Layout L;
     if (!dl_tile_bytes(type, N, K)) return -1;
-    layout_of(type, &L);
+    void *memory = scratch(dl_activation_bytes(M, K));
+    if (!memory) return -2;
     Activations a;
-    if (scratch_activations(&a, M, K)) return -2;
-    quantise_rows(x, ldx, M, &a);
-    int64_t tiles_n = (N + TILE - 1) / TILE, stride = K / L.values * L.tile_bytes;
-    /* dynamic chunks: a thread that the OS descheduled (another process on the core) holds up
-     * only its current chunk, not a fixed half of the tiles */
-    int64_t chunk = tiles_n / ((int64_t)threads * 8) > 4 ? tiles_n / ((int64_t)threads * 8) : 4;
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if (threads > 1 && tiles_n >= 16)
-    for (int64_t t = 0; t < tiles_n; ++t) {
-        float out[MAX_ROWS][TILE];
-        int width = N - t * TILE < TILE ? (int)(N - t * TILE) : TILE;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            Activations part = a;
-            part.q = a.q + m0 * K, part.d = a.d + m0 * a.G, part.sum = a.sum + m0 * a.G;
-            part.half = a.half + 2 * m0 * a.G;
-            tile_product(type, &L, tiles + t * stride, &part, rows, out);
-            for (int r = 0; r < rows; ++r)
-                memcpy(y + (m0 + r) * ldy + t * TILE, out[r], (size_t)width * sizeof(float));
-        }
-    }
+    dl_activations_at(&a, memory, M, K);
+    dl_quantise_rows(x, ldx, 0, M, &a);
+#pragma omp parallel num_threads(threads) if (threads > 1 && N >= 128)
+    dl_tile_product(type, tiles, N, &a, M, y, ldy);
     return 0;
 }

@@ -1,0 +1,203 @@
+/* A range of transformer layers in one call, for models whose linear weights are tiled GGUF
+ * blocks (gguf_blocks.c), in float32 on a CPU: norms, the fused q/k/v projection, attention with
+ * the cache write (attention.c), the output projection, residuals, the gated MLP.
+ *
+ * One parallel region covers the whole range. Threads share the products (split by tiles of
+ * output columns) and attention (split by head and row), and meet at a barrier after each of
+ * them: five a layer. Everything done per row between them (residuals, norms, the activations'
+ * quantisation) each thread does for itself on its own copy of the states, so it needs no
+ * barrier. No step costs a Python call.
+ *
+ * Every step is row-exact (each row goes through the same operations whatever the number of
+ * rows), so running k positions together gives each the bits of k one-position calls.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "kernels.h"
+
+#define TILE 8
+#define MAX_PARTS 3
+#define WRITE_FIRST 5 /* from this many rows, the cache is written before attention */
+
+/* A linear weight: up to 3 parts of consecutive output rows (each a multiple of 8), each tiled
+ * in one GGUF type. */
+typedef struct {
+    int parts;
+    int type[MAX_PARTS];
+    const uint8_t *tiles[MAX_PARTS];
+    int64_t rows[MAX_PARTS];
+    const float *bias; /* [N] or NULL */
+    int64_t N, K;
+} Linear;
+
+typedef struct {
+    Linear qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm;
+    const float *post_attn_norm, *post_mlp_norm; /* NULL without sandwich norms */
+    const float *q_norm, *k_norm;                /* NULL without per-head norms */
+    float *keys, *values;                        /* the layer's cache [kv_heads][length][dim] */
+    const float *cos, *sin;                      /* RoPE tables [length][dim] */
+    int64_t window;                              /* sliding window, or 0 */
+} Layer;
+
+typedef struct {
+    int hidden, heads, kv_heads, dim, intermediate, gelu;
+    float eps, norm_offset, scale;
+    int64_t length; /* cache positions */
+    int num_layers;
+    const Layer *layers;
+} Model;
+
+/* out[m][row..row+7] for the tile of weight rows row.. of `w` (row a multiple of 8), plus the
+ * bias. */
+static void linear_tile(const Linear *w, int64_t row, const Activations *a, int64_t M, float *out,
+                        int64_t ldo) {
+    int p = 0;
+    int64_t first = 0;
+    while (row >= first + w->rows[p]) first += w->rows[p++];
+    int64_t local = row - first;
+    const uint8_t *tile = w->tiles[p] + local / TILE * dl_tile_stride(w->type[p], w->K);
+    int width = w->rows[p] - local < TILE ? (int)(w->rows[p] - local) : TILE;
+    dl_tile(w->type[p], tile, a, M, out, ldo, width);
+    if (w->bias)
+        for (int64_t m = 0; m < M; ++m)
+            for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
+}
+
+/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over tiles. */
+static void linear(const Linear *w, const Activations *a, int64_t M, float *out) {
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t t = 0; t < (w->N + TILE - 1) / TILE; ++t)
+        linear_tile(w, t * TILE, a, M, out + t * TILE, w->N);
+}
+
+/* act = f(x . W_gate) * (x . W_up), W_gate the first `width` rows of `w` and W_up the next.
+ * Work-shared over tiles: each thread takes a tile of gate rows and the matching up rows. */
+static void gated_linear(const Model *m, const Linear *w, const Activations *a, int64_t M,
+                         float *act, float *scratch) {
+    int width = m->intermediate;
+    float *gate = scratch, *up = scratch + M * TILE;
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t t = 0; t < width / TILE; ++t) {
+        linear_tile(w, t * TILE, a, M, gate, TILE);
+        linear_tile(w, width + t * TILE, a, M, up, TILE);
+        for (int64_t r = 0; r < M; ++r)
+            dl_gated_row(gate + r * TILE, up + r * TILE, TILE, m->gelu, act + r * width + t * TILE);
+    }
+}
+
+/* This thread's own states and scratch. */
+typedef struct {
+    float *h, *x, *delta; /* [rows][hidden] */
+    float *gate;          /* [2][rows][8] */
+    void *quantised;      /* Activations for the widest product input */
+    float *attention;     /* dl_attention_scratch floats */
+} Own;
+
+/* x = norm(h) for every row, quantised into a. */
+static void normed(const Model *m, const Own *own, const float *weight, Activations *a,
+                   int64_t rows) {
+    int d = m->hidden;
+    for (int64_t r = 0; r < rows; ++r)
+        dl_rms_norm_row(own->h + r * d, weight, m->eps, m->norm_offset, d, own->x + r * d);
+    dl_activations_at(a, own->quantised, rows, d);
+    dl_quantise_rows(own->x, d, 0, rows, a);
+}
+
+/* h += norm(delta) (or delta without a norm) for every row. */
+static void residual(const Model *m, const Own *own, const float *delta, const float *norm,
+                     int64_t rows) {
+    int d = m->hidden;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *dr = delta + r * d;
+        if (norm) {
+            dl_rms_norm_row(dr, norm, m->eps, m->norm_offset, d, own->delta + r * d);
+            dr = own->delta + r * d;
+        }
+        float *hr = own->h + r * d;
+        for (int i = 0; i < d; ++i) hr[i] = hr[i] + dr[i];
+    }
+}
+
+static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, float *att,
+                  float *act, float *delta, int64_t rows, int64_t start) {
+    int d = m->hidden, width = m->intermediate;
+    int64_t qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
+    AttentionShape s = {m->heads, m->kv_heads, m->dim, m->length * m->dim, L->window, m->scale,
+                        L->q_norm, L->k_norm, m->eps, m->norm_offset};
+    const float *cos = L->cos + start * m->dim, *sin = L->sin + start * m->dim;
+    Activations a;
+    normed(m, own, L->attn_norm, &a, rows);
+    linear(&L->qkv, &a, rows, qkv);
+    int written = rows >= WRITE_FIRST;
+    if (written) dl_attention_write(&s, qkv, qkv_n, cos, sin, L->keys, L->values, (int)rows, start);
+    dl_attention_rows(&s, qkv, qkv_n, cos, sin, L->keys, L->values, att, (int)rows, start,
+                      written, own->attention);
+    dl_activations_at(&a, own->quantised, rows, att_n);
+    dl_quantise_rows(att, att_n, 0, rows, &a);
+    linear(&L->o, &a, rows, delta);
+    residual(m, own, delta, L->post_attn_norm, rows);
+    normed(m, own, L->mlp_norm, &a, rows);
+    gated_linear(m, &L->gate_up, &a, rows, act, own->gate);
+    dl_activations_at(&a, own->quantised, rows, width);
+    dl_quantise_rows(act, width, 0, rows, &a);
+    linear(&L->down, &a, rows, delta);
+    residual(m, own, delta, L->post_mlp_norm, rows);
+    (void)d;
+}
+
+static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* Runs layers [first, last) on the states h [rows][hidden] of positions start.. in place,
+ * writing their keys and values into the cache. With `collect`, each layer's output is copied to
+ * collect[(i - first) * rows * hidden]. Returns 0, or -2 when out of memory. */
+int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, int last,
+              float *collect, int threads) {
+    if (first >= last) return 0;
+    int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
+    int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
+    if (d > widest) widest = d;
+    AttentionShape shape = {m->heads, m->kv_heads, m->dim, 0, 0, 0, NULL, NULL, 0, 0};
+    size_t states = round64((size_t)(rows * d) * 4);
+    size_t shared[] = {
+        round64((size_t)(rows * m->layers[first].qkv.N) * 4), /* q/k/v */
+        round64((size_t)(rows * att_n) * 4),                  /* attention output */
+        round64((size_t)(rows * width) * 4),                  /* activation */
+        states,                                               /* o / down output */
+    };
+    size_t gates = round64((size_t)(2 * rows * TILE) * 4), quantised = dl_activation_bytes(rows, widest);
+    size_t own_bytes = 3 * states + gates + quantised +
+                       round64((size_t)dl_attention_scratch(&shape, start, rows) * 4);
+    size_t total = shared[0] + shared[1] + shared[2] + shared[3] + own_bytes * (size_t)team;
+    static __thread char *arena = NULL;
+    static __thread size_t capacity = 0;
+    if (total > capacity) {
+        free(arena);
+        arena = aligned_alloc(64, total);
+        capacity = arena ? total : 0;
+        if (!arena) return -2;
+    }
+    float *qkv = (float *)arena, *att = (float *)(arena + shared[0]);
+    float *act = (float *)(arena + shared[0] + shared[1]);
+    float *delta = (float *)(arena + shared[0] + shared[1] + shared[2]);
+    char *owned = arena + shared[0] + shared[1] + shared[2] + shared[3];
+
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        char *at = owned + own_bytes * (size_t)omp_get_thread_num();
+        Own own = {(float *)at, (float *)(at + states), (float *)(at + 2 * states),
+                   (float *)(at + 3 * states), at + 3 * states + gates,
+                   (float *)(at + 3 * states + gates + quantised)};
+        memcpy(own.h, h, (size_t)(rows * d) * 4);
+        for (int i = first; i < last; ++i) {
+            layer(m, &m->layers[i], &own, qkv, att, act, delta, rows, start);
+            if (collect && omp_get_thread_num() == 0)
+                memcpy(collect + (int64_t)(i - first) * rows * d, own.h, (size_t)(rows * d) * 4);
+        }
+        if (omp_get_thread_num() == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
+    }
+    return 0;
+}

@@ -1,0 +1,169 @@
+"""A model's layers run by one compiled call per layer range (`layers.c`), for models whose
+linear weights are all tiled GGUF blocks, in float32 on a CPU.
+
+`LayerKernels.for_model` describes the model's weights to the C code once (pointers to the
+tiles, norms and biases); `bind` adds the KV cache and RoPE tables whenever they are allocated;
+`run` is then `Transformer.run_layers` without a Python call per operation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from delspec.kernels.blocks import TILE
+from delspec.kernels.build import library
+
+if TYPE_CHECKING:
+    from delspec.model import Linear as LinearModule
+    from delspec.model import Transformer
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+MAX_PARTS = 3
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("parts", _INT),
+        ("type", _INT * MAX_PARTS),
+        ("tiles", _P * MAX_PARTS),
+        ("rows", _I64 * MAX_PARTS),
+        ("bias", _P),
+        ("N", _I64),
+        ("K", _I64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, _Linear) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, _P) for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")),
+        *((name, _P) for name in ("q_norm", "k_norm", "keys", "values", "cos", "sin")),
+        ("window", _I64),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _INT) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate", "gelu")),
+        *((name, _F32) for name in ("eps", "norm_offset", "scale")),
+        ("length", _I64),
+        ("num_layers", _INT),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _pointer(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _linear(module: LinearModule) -> _Linear:
+    blocks = module.blocks
+    parts = blocks.parts
+    out = _Linear(parts=len(parts), bias=_pointer(module.bias), N=blocks.rows, K=blocks.cols)
+    for i, part in enumerate(parts):
+        out.type[i], out.tiles[i], out.rows[i] = int(part.qtype), part.tiles.data_ptr(), part.rows
+    return out
+
+
+def _tiled(module: LinearModule) -> bool:
+    """Whether the layer kernels can take this linear layer: block weights in at most
+    `MAX_PARTS` parts of whole tiles."""
+    parts = module.blocks.parts if module.blocks is not None else []
+    return 0 < len(parts) <= MAX_PARTS and all(p.rows % TILE == 0 for p in parts)
+
+
+def _linears(block) -> dict[str, LinearModule]:
+    """A block's linear layers by their name in `_Layer`."""
+    return {"qkv": block.attn.qkv, "o": block.attn.o, "gate_up": block.mlp.gate_up,
+            "down": block.mlp.down}  # fmt: skip
+
+
+def _norm(module) -> int | None:
+    return None if module is None else module.weight.data_ptr()
+
+
+class LayerKernels:
+    """The compiled layer range of one model. See the module docstring."""
+
+    def __init__(self, model: Transformer) -> None:
+        cfg = model.config
+        self.model = model
+        self.layers = (_Layer * cfg.num_layers)()
+        for layer, block in zip(self.layers, model.layers, strict=True):
+            for name, module in _linears(block).items():
+                setattr(layer, name, _linear(module))
+            for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
+                setattr(layer, name, _norm(getattr(block, name)))
+            layer.q_norm, layer.k_norm = _norm(block.attn.q_norm), _norm(block.attn.k_norm)
+            layer.window = block.attn.window or 0
+        self.description = _Model(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size,
+            gelu=int(cfg.spec.activation == "gelu_tanh"),
+            eps=cfg.rms_eps,
+            norm_offset=cfg.spec.norm_offset,
+            scale=cfg.softmax_scale,
+            length=0,
+            num_layers=cfg.num_layers,
+            layers=self.layers,
+        )
+        self._tables: tuple[Tensor, dict] | None = None
+
+    @staticmethod
+    def for_model(model: Transformer) -> LayerKernels | None:
+        """The compiled layers of `model`, or None where they cannot run it: weights not all
+        blocks in whole tiles, not float32 on a CPU, a head size that is not a multiple of 8,
+        no compiler."""
+        cfg = model.config
+        if (
+            model.device.type != "cpu"
+            or model.dtype != torch.float32
+            or cfg.head_dim % 8
+            or cfg.intermediate_size % TILE
+            or not all(_tiled(m) for block in model.layers for m in _linears(block).values())
+            or library() is None
+        ):
+            return None
+        return LayerKernels(model)
+
+    def bind(self, cache: Tensor, ropes: dict[bool, tuple[Tensor, Tensor]]) -> None:
+        """Point every layer at its part of `cache` `[layers, 2, kv_heads, length, dim]` and at
+        its RoPE tables (`ropes[sliding]` = cos, sin `[length, dim]`)."""
+        cfg = self.model.config
+        self.description.length = cache.shape[3]
+        for i, layer in enumerate(self.layers):
+            layer.keys, layer.values = cache[i, 0].data_ptr(), cache[i, 1].data_ptr()
+            cos, sin = ropes[cfg.is_sliding(i)]
+            layer.cos, layer.sin = cos.data_ptr(), sin.data_ptr()
+        self._tables = (cache, ropes)  # keep them alive while pointed at
+
+    def run(
+        self, h: Tensor, start: int, first: int, last: int, collect: list[Tensor] | None
+    ) -> Tensor:
+        """Layers `[first, last)` on states `h` `[rows, hidden]` at positions `start..`; each
+        layer's output is appended to `collect` if given."""
+        out = h.contiguous().clone()
+        rows = out.shape[0]
+        states = torch.empty(last - first, rows, out.shape[1]) if collect is not None else None
+        status = library().dl_layers(
+            ctypes.byref(self.description),
+            out.data_ptr(),
+            rows,
+            start,
+            first,
+            last,
+            None if states is None else states.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("out of memory in the compiled layers")
+        if states is not None:
+            collect.extend(states.unbind(0))
+        return out
