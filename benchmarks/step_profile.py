@@ -1,10 +1,12 @@
-"""Where the milliseconds of one decode step go: each part of a layer timed alone, summed over
-the layers, beside the whole step (one token, and a verification of 8).
+"""Where the milliseconds of one decode step go (one token, and a verification of 8).
 
     python benchmarks/step_profile.py [--model default] [--weights native] [--threads 2]
 
-Prints a Markdown table naming the CPU. Parts are timed in a loop over every layer (weights
-streaming from memory as in a step); "rest of the step" is the whole step minus the parts.
+Prints a Markdown table naming the CPU. On block weights the layers run as one compiled call,
+which times its own steps (summed over the layers; a shared step includes waiting for the other
+threads at its barrier). Otherwise each part of a layer is timed alone in a loop over every layer
+(weights streaming from memory as in a step). "rest of the step" is the whole step minus the
+parts: Python, the engine's own work, and (eager path) the residuals.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from delspec import load_model
 from delspec.kernel_choice import median_seconds
 from delspec.kernels.build import cpu_name
+from delspec.kernels.layers import STEPS
 
 
 def seconds(run: Callable[[], object], repeats: int) -> float:
@@ -25,9 +28,33 @@ def seconds(run: Callable[[], object], repeats: int) -> float:
     return median_seconds("part", run, repeats)
 
 
-def profile(lm, rows: int, position: int, repeats: int) -> dict[str, float]:
-    """Milliseconds per step of each part, for a step of `rows` tokens at `position`."""
-    model = lm.model
+def step_seconds(model, ids: torch.Tensor, position: int, repeats: int) -> float:
+    """Median seconds of a whole step: embedding, every layer, final norm and LM head."""
+    layers = model.num_layers
+    return seconds(
+        lambda: model.head(model.run_layers(model.embed(ids), position, 0, layers)), repeats
+    )
+
+
+def compiled_profile(model, rows: int, position: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per step of each part, from the compiled layers' own timers."""
+    ids = torch.full((rows,), 5)
+    compiled = model.compiled_layers()
+    x = torch.randn(rows, model.config.hidden_size)
+    totals = torch.zeros(len(STEPS), dtype=torch.float64)
+    run = lambda: compiled.run(x, position, 0, model.num_layers, None, totals)  # noqa: E731
+    run()
+    totals.zero_()
+    for _ in range(repeats):
+        run()
+    times = {"embedding lookup": seconds(lambda: model.embed(ids), repeats) * 1e3}
+    times.update({name: float(t) / repeats * 1e3 for name, t in zip(STEPS, totals, strict=True)})
+    times["LM head (final norm + head)"] = seconds(lambda: model.head(x), repeats) * 1e3
+    return times
+
+
+def eager_profile(model, rows: int, position: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per step of each part, each timed alone over every layer."""
     cfg = model.config
     layers = model.layers
     x = torch.randn(rows, cfg.hidden_size)
@@ -56,11 +83,18 @@ def profile(lm, rows: int, position: int, repeats: int) -> dict[str, float]:
     times["attention (RoPE, cache, scores)"] -= (
         times["q/k/v projection"] + times["output projection"]
     )
-    step = seconds(
-        lambda: model.head(model.run_layers(model.embed(ids), position, 0, len(layers))), repeats
-    )
-    times["rest of the step (residuals, Python)"] = step * 1e3 - sum(times.values())
-    times["whole step"] = step * 1e3
+    return times
+
+
+def profile(lm, rows: int, position: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per step of each part, for a step of `rows` tokens at `position`, and the
+    whole step."""
+    model = lm.model
+    parts = compiled_profile if model.compiled_layers() is not None else eager_profile
+    times = parts(model, rows, position, repeats)
+    step = step_seconds(model, torch.full((rows,), 5), position, repeats) * 1e3
+    times["rest of the step (Python, engine)"] = step - sum(times.values())
+    times["whole step"] = step
     return times
 
 
@@ -78,8 +112,9 @@ def main() -> None:
     with torch.inference_mode():
         one = profile(lm, 1, args.position, args.repeats)
         eight = profile(lm, 8, args.position, args.repeats)
+    kind = "compiled layers" if lm.model.compiled_layers() is not None else "eager layers"
     print(
-        f"{lm.name}, weights {lm.model.weights}, {cpu_name()}, {args.threads} threads, "
+        f"{lm.name}, weights {lm.model.weights} ({kind}), {cpu_name()}, {args.threads} threads, "
         f"{args.position} tokens in the cache; ms per step\n"
     )
     print("| part | 1 token | 8 tokens (a verification) |\n|---|---|---|")

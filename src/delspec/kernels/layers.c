@@ -122,40 +122,61 @@ static void residual(const Model *m, const Own *own, const float *delta, const f
     }
 }
 
+/* The steps of a layer that `profile` times (seconds, summed, on the first thread: each shared
+ * step includes waiting for the other threads at its barrier). */
+enum { NORM, QKV, ATTENTION, OUTPUT, MLP_NORM, GATE_UP, DOWN, RESIDUAL, STEPS };
+
+static void lap(double *profile, int step, double *since) {
+    if (!profile || omp_get_thread_num() != 0) return;
+    double now = omp_get_wtime();
+    profile[step] += now - *since;
+    *since = now;
+}
+
 static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, float *att,
-                  float *act, float *delta, int64_t rows, int64_t start) {
-    int d = m->hidden, width = m->intermediate;
+                  float *act, float *delta, int64_t rows, int64_t start, double *profile) {
+    double since = profile ? omp_get_wtime() : 0.0;
+    int width = m->intermediate;
     int64_t qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
     AttentionShape s = {m->heads, m->kv_heads, m->dim, m->length * m->dim, L->window, m->scale,
                         L->q_norm, L->k_norm, m->eps, m->norm_offset};
     const float *cos = L->cos + start * m->dim, *sin = L->sin + start * m->dim;
     Activations a;
     normed(m, own, L->attn_norm, &a, rows);
+    lap(profile, NORM, &since);
     linear(&L->qkv, &a, rows, qkv);
+    lap(profile, QKV, &since);
     int written = rows >= WRITE_FIRST;
     if (written) dl_attention_write(&s, qkv, qkv_n, cos, sin, L->keys, L->values, (int)rows, start);
     dl_attention_rows(&s, qkv, qkv_n, cos, sin, L->keys, L->values, att, (int)rows, start,
                       written, own->attention);
+    lap(profile, ATTENTION, &since);
     dl_activations_at(&a, own->quantised, rows, att_n);
     dl_quantise_rows(att, att_n, 0, rows, &a);
     linear(&L->o, &a, rows, delta);
+    lap(profile, OUTPUT, &since);
     residual(m, own, delta, L->post_attn_norm, rows);
     normed(m, own, L->mlp_norm, &a, rows);
+    lap(profile, MLP_NORM, &since);
     gated_linear(m, &L->gate_up, &a, rows, act, own->gate);
+    lap(profile, GATE_UP, &since);
     dl_activations_at(&a, own->quantised, rows, width);
     dl_quantise_rows(act, width, 0, rows, &a);
     linear(&L->down, &a, rows, delta);
+    lap(profile, DOWN, &since);
     residual(m, own, delta, L->post_mlp_norm, rows);
-    (void)d;
+    lap(profile, RESIDUAL, &since);
 }
 
 static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* Runs layers [first, last) on the states h [rows][hidden] of positions start.. in place,
  * writing their keys and values into the cache. With `collect`, each layer's output is copied to
- * collect[(i - first) * rows * hidden]. Returns 0, or -2 when out of memory. */
+ * collect[(i - first) * rows * hidden]; with `profile`, seconds per step of a layer are added to
+ * profile[0..7] (norm, q/k/v, attention, output, MLP norm, gate/up, down, residual). Returns 0,
+ * or -2 when out of memory. */
 int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, int last,
-              float *collect, int threads) {
+              float *collect, int threads, double *profile) {
     if (first >= last) return 0;
     int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
     int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
@@ -193,7 +214,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, 
                    (float *)(at + 3 * states + gates + quantised)};
         memcpy(own.h, h, (size_t)(rows * d) * 4);
         for (int i = first; i < last; ++i) {
-            layer(m, &m->layers[i], &own, qkv, att, act, delta, rows, start);
+            layer(m, &m->layers[i], &own, qkv, att, act, delta, rows, start, profile);
             if (collect && omp_get_thread_num() == 0)
                 memcpy(collect + (int64_t)(i - first) * rows * d, own.h, (size_t)(rows * d) * 4);
         }

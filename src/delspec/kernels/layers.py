@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 3
+# The steps of a layer that `LayerKernels.run` can time (`layers.c`), in order.
+STEPS = (
+    "norm",
+    "q/k/v projection",
+    "attention (norms, RoPE, cache, scores)",
+    "output projection",
+    "residual + MLP norm",
+    "gate/up projection + activation",
+    "down projection",
+    "residual",
+)
 
 
 class _Linear(ctypes.Structure):
@@ -145,10 +156,17 @@ class LayerKernels:
         self._tables = (cache, ropes)  # keep them alive while pointed at
 
     def run(
-        self, h: Tensor, start: int, first: int, last: int, collect: list[Tensor] | None
+        self,
+        h: Tensor,
+        start: int,
+        first: int,
+        last: int,
+        collect: list[Tensor] | None,
+        profile: Tensor | None = None,
     ) -> Tensor:
         """Layers `[first, last)` on states `h` `[rows, hidden]` at positions `start..`; each
-        layer's output is appended to `collect` if given."""
+        layer's output is appended to `collect` if given. `profile` (float64 `[len(STEPS)]`):
+        seconds per step of a layer (`STEPS`) are added to it."""
         out = h.contiguous().clone()
         rows = out.shape[0]
         states = torch.empty(last - first, rows, out.shape[1]) if collect is not None else None
@@ -161,6 +179,7 @@ class LayerKernels:
             last,
             None if states is None else states.data_ptr(),
             torch.get_num_threads(),
+            None if profile is None else profile.data_ptr(),
         )
         if status:
             raise MemoryError("out of memory in the compiled layers")
