@@ -16,6 +16,9 @@
 
 #include "kernels.h"
 #include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define LANES 8
 
@@ -38,52 +41,136 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-/* a . b over n values (n a multiple of LANES), summed lane-wise, then lanes in a fixed order. */
-static inline float dot(const float *a, const float *b, int n) {
-    float acc[LANES] = {0};
-    for (int i = 0; i < n; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; ++l) sum += acc[l];
+/* out[j] = q . key[j] for `count` keys `stride` floats apart, of n values (a multiple of LANES):
+ * per key, products summed lane-wise in order of i, then the lanes in a fixed order (the same
+ * bits whatever `count`; keys are taken four at a time so that their sums do not wait on each
+ * other). */
+#ifdef __AVX2__
+static inline float lanes_sum(__m256 v) {
+    float l[LANES], sum = 0.0f;
+    _mm256_storeu_ps(l, v);
+    for (int i = 0; i < LANES; ++i) sum += l[i];
     return sum;
 }
 
-/* out[t] = a . b[t] for four consecutive rows b[t] of n values: each exactly dot(a, b[t], n),
- * the four chains interleaved so that they do not wait on each other. */
-static inline void dot4(const float *a, const float *b, int n, float *out) {
-    float acc[4][LANES] = {{0}};
-    for (int i = 0; i < n; i += LANES)
-        for (int t = 0; t < 4; ++t)
-            for (int l = 0; l < LANES; ++l) acc[t][l] += a[i + l] * b[t * n + i + l];
-    for (int t = 0; t < 4; ++t) {
-        float sum = 0.0f;
-        for (int l = 0; l < LANES; ++l) sum += acc[t][l];
-        out[t] = sum;
+static void scores_of(const float *q, const float *key, int64_t stride, int64_t count, int n,
+                      float *out) {
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4) {
+        const float *k = key + j * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < n; i += LANES) {
+            __m256 qi = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
+            a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + stride + i), a1);
+            a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 2 * stride + i), a2);
+            a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 3 * stride + i), a3);
+        }
+        out[j] = lanes_sum(a0), out[j + 1] = lanes_sum(a1);
+        out[j + 2] = lanes_sum(a2), out[j + 3] = lanes_sum(a3);
+    }
+    for (; j < count; ++j) {
+        const float *k = key + j * stride;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += LANES)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+        out[j] = lanes_sum(a0);
     }
 }
+
+/* o[i] += w[j] * value[j][i] for `count` value rows `stride` floats apart, in order of j, for
+ * each i < n (a multiple of LANES); o is kept in registers 64 values at a time. */
+static void weighted_sum(float *o, const float *w, const float *value, int64_t stride,
+                         int64_t count, int n) {
+    for (int c = 0; c < n; c += 64) {
+        int width = n - c < 64 ? (n - c) / LANES : 8;
+        __m256 acc[8];
+        for (int v = 0; v < width; ++v) acc[v] = _mm256_loadu_ps(o + c + v * LANES);
+        for (int64_t j = 0; j < count; ++j) {
+            __m256 wj = _mm256_set1_ps(w[j]);
+            const float *row = value + j * stride + c;
+            for (int v = 0; v < width; ++v)
+                acc[v] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + v * LANES), acc[v]);
+        }
+        for (int v = 0; v < width; ++v) _mm256_storeu_ps(o + c + v * LANES, acc[v]);
+    }
+}
+#else
+static void scores_of(const float *q, const float *key, int64_t stride, int64_t count, int n,
+                      float *out) {
+    for (int64_t j = 0; j < count; ++j) {
+        const float *k = key + j * stride;
+        float acc[LANES] = {0}, sum = 0.0f;
+        for (int i = 0; i < n; i += LANES)
+            for (int l = 0; l < LANES; ++l) acc[l] = fmaf(q[i + l], k[i + l], acc[l]);
+        for (int l = 0; l < LANES; ++l) sum += acc[l];
+        out[j] = sum;
+    }
+}
+
+static void weighted_sum(float *o, const float *w, const float *value, int64_t stride,
+                         int64_t count, int n) {
+    for (int64_t j = 0; j < count; ++j)
+        for (int i = 0; i < n; ++i) o[i] = fmaf(w[j], value[j * stride + i], o[i]);
+}
+#endif
 
 /* The largest of x[0..n-1] (lane-wise, then lanes; exact whatever the order). */
 static inline float largest(const float *x, int64_t n) {
     float top[LANES];
-    for (int l = 0; l < LANES; ++l) top[l] = -INFINITY;
     int64_t i = 0;
+#ifdef __AVX2__
+    __m256 best8 = _mm256_set1_ps(-INFINITY);
+    for (; i + LANES <= n; i += LANES) best8 = _mm256_max_ps(best8, _mm256_loadu_ps(x + i));
+    _mm256_storeu_ps(top, best8);
+#else
+    for (int l = 0; l < LANES; ++l) top[l] = -INFINITY;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; ++l) top[l] = top[l] > x[i + l] ? top[l] : x[i + l];
+#endif
     float best = -INFINITY;
     for (; i < n; ++i) best = best > x[i] ? best : x[i];
     for (int l = 0; l < LANES; ++l) best = best > top[l] ? best : top[l];
     return best;
 }
 
+#ifdef __AVX2__
+/* exp_nonpositive of eight values at once (the same polynomial, with fused multiply-adds) */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)),
+                             _mm256_set1_ps(1.44269504088896341f));
+    __m256 whole = _mm256_floor_ps(t), f = _mm256_sub_ps(t, whole);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* x[i] = e^(x[i] - top) for i < n; returns their sum (lane-wise, then lanes, in a fixed order). */
 static inline float exp_sum(float *x, int64_t n, float top) {
-    for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i] - top);
     float acc[LANES] = {0}, total = 0.0f;
     int64_t i = 0;
+#ifdef __AVX2__
+    __m256 sum = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (; i + LANES <= n; i += LANES) {
+        __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
+        _mm256_storeu_ps(x + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_storeu_ps(acc, sum);
+#else
     for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l];
+        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l] = exp_nonpositive(x[i + l] - top);
+#endif
     for (int l = 0; l < LANES; ++l) total += acc[l];
-    for (; i < n; ++i) total += x[i];
+    for (; i < n; ++i) total += x[i] = exp_nonpositive(x[i] - top);
     return total;
 }
 
@@ -165,37 +252,18 @@ void dl_attention_rows(const AttentionShape *s, const float *qkv, int64_t ld_qkv
             }
         }
         /* keys and values are the same bits from the cache or computed afresh */
-        int64_t j = lo;
-        for (; j + 4 <= cached; j += 4) dot4(qr, k + j * dim, dim, scores + j);
-        for (; j < cached; ++j) scores[j] = dot(qr, k + j * dim, dim);
-        for (j = j > cached ? j : cached; j <= p; ++j)
-            scores[j] = dot(qr, fresh + (j - start) * dim, dim);
-        for (j = lo; j <= p; ++j) scores[j] *= s->scale;
+        int64_t from_cache = cached > lo ? cached - lo : 0, first_new = lo > cached ? lo : cached;
+        const float *new_values = qkv + v_offset + (int64_t)g * dim;
+        scores_of(qr, k + lo * dim, dim, from_cache, dim, scores + lo);
+        scores_of(qr, fresh + (first_new - start) * dim, dim, p + 1 - first_new, dim,
+                  scores + first_new);
+        for (int64_t j = lo; j <= p; ++j) scores[j] *= s->scale;
         float total = exp_sum(scores + lo, p + 1 - lo, largest(scores + lo, p + 1 - lo));
         float *o = out + (int64_t)r * heads * dim + (int64_t)h * dim;
         for (int i = 0; i < dim; ++i) o[i] = 0.0f;
-        /* o += scores[j] * value[j] in order of j, four value rows per pass over o */
-        for (j = lo; j <= p; j += 4) {
-            int n = p + 1 - j < 4 ? (int)(p + 1 - j) : 4;
-            const float *value[4];
-            for (int t = 0; t < n; ++t)
-                value[t] = j + t < cached ? v + (j + t) * dim
-                                          : qkv + (j + t - start) * ld_qkv + v_offset + (int64_t)g * dim;
-            const float *w = scores + j;
-            if (n == 4) {
-                for (int i = 0; i < dim; ++i) {
-                    float sum = o[i];
-                    sum += w[0] * value[0][i];
-                    sum += w[1] * value[1][i];
-                    sum += w[2] * value[2][i];
-                    sum += w[3] * value[3][i];
-                    o[i] = sum;
-                }
-            } else {
-                for (int t = 0; t < n; ++t)
-                    for (int i = 0; i < dim; ++i) o[i] += w[t] * value[t][i];
-            }
-        }
+        weighted_sum(o, scores + lo, v + lo * dim, dim, from_cache, dim);
+        weighted_sum(o, scores + first_new, new_values + (first_new - start) * ld_qkv, ld_qkv,
+                     p + 1 - first_new, dim);
         float inv = 1.0f / total;
         for (int i = 0; i < dim; ++i) o[i] *= inv;
     }
