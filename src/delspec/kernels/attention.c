@@ -16,30 +16,8 @@
 
 #include "kernels.h"
 #include <omp.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #define LANES 8
-
-/* e^x for x <= 0: 2^(x log2 e) split into integer and fraction, the fraction by a polynomial
- * (relative error ~2e-7); written so that loops over it vectorise. */
-static inline float exp_nonpositive(float x) {
-    float t = fmaxf(x, -87.0f) * 1.44269504088896341f;
-    float whole = floorf(t), f = t - whole;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale = {.i = ((int32_t)whole + 127) << 23};
-    return p * scale.f;
-}
 
 /* out[j] = q . key[j] for `count` keys `stride` floats apart, of n values (a multiple of LANES):
  * per key, products summed lane-wise in order of i, then the lanes in a fixed order (the same
@@ -134,25 +112,6 @@ static inline float largest(const float *x, int64_t n) {
     return best;
 }
 
-#ifdef __AVX2__
-/* exp_nonpositive of eight values at once (the same polynomial, with fused multiply-adds) */
-static inline __m256 exp8_nonpositive(__m256 x) {
-    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)),
-                             _mm256_set1_ps(1.44269504088896341f));
-    __m256 whole = _mm256_floor_ps(t), f = _mm256_sub_ps(t, whole);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
-
 /* x[i] = e^(x[i] - top) for i < n; returns their sum (lane-wise, then lanes, in a fixed order). */
 static inline float exp_sum(float *x, int64_t n, float top) {
     float acc[LANES] = {0}, total = 0.0f;
@@ -160,17 +119,17 @@ static inline float exp_sum(float *x, int64_t n, float top) {
 #ifdef __AVX2__
     __m256 sum = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     for (; i + LANES <= n; i += LANES) {
-        __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
+        __m256 e = exp8_approx(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
         _mm256_storeu_ps(x + i, e);
         sum = _mm256_add_ps(sum, e);
     }
     _mm256_storeu_ps(acc, sum);
 #else
     for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l] = exp_nonpositive(x[i + l] - top);
+        for (int l = 0; l < LANES; ++l) acc[l] += x[i + l] = exp_approx(x[i + l] - top);
 #endif
     for (int l = 0; l < LANES; ++l) total += acc[l];
-    for (; i < n; ++i) total += x[i] = exp_nonpositive(x[i] - top);
+    for (; i < n; ++i) total += x[i] = exp_approx(x[i] - top);
     return total;
 }
 

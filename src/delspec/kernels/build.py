@@ -132,7 +132,8 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
         timeout=300,
     )
     if result.returncode != 0:
-        raise subprocess.SubprocessError(result.stderr.strip().splitlines()[-1:] or "failed")
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        raise subprocess.SubprocessError((errors or result.stderr.splitlines() or ["failed"])[0])
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -275,19 +275,52 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K) {
     a->K = K, a->G = G;
 }
 
+/* Group of 32 values v: q = round(v / d) with d = amax / 127 (into q); returns d, and the sums
+ * of q over each half. */
+static inline float quantise_group(const float *v, int8_t *q, int sums[2]) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+    __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float d = _mm_cvtss_f32(h) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256 scale = _mm256_set1_ps(inv);
+    /* rounding to nearest even, as lrintf */
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, scale));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, scale));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, scale));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, scale));
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi32(i0, i1));
+    sums[0] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi32(i2, i3));
+    sums[1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    return d;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    sums[0] = sums[1] = 0;
+    for (int i = 0; i < GROUP; ++i) {
+        q[i] = (int8_t)lrintf(v[i] * inv);
+        sums[i / 16] += q[i];
+    }
+    return d;
+#endif
+}
+
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a) {
     for (int64_t r = first; r < first + count; ++r) {
         for (int64_t g = 0; g < a->G; ++g) {
-            const float *v = x + r * ldx + g * GROUP;
-            float amax = 0.0f;
-            for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = a->q + r * a->K + g * GROUP;
-            int sums[2] = {0, 0};
-            for (int i = 0; i < GROUP; ++i) {
-                q[i] = (int8_t)lrintf(v[i] * inv);
-                sums[i / 16] += q[i];
-            }
+            int sums[2];
+            float d = quantise_group(x + r * ldx + g * GROUP, a->q + r * a->K + g * GROUP, sums);
             int64_t at = r * a->G + g;
             a->d[at] = d;
             a->sum[at] = d * (float)(sums[0] + sums[1]);

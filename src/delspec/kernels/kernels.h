@@ -9,8 +9,12 @@
 #ifndef DELSPEC_KERNELS_H
 #define DELSPEC_KERNELS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* x quantised per group of 32 values for the block products: values q [M][K], and per row and
  * group the scale d, d times the sum of q over the group (`sum`) and over each half (`half`,
@@ -68,5 +72,44 @@ void dl_rms_norm_row(const float *x, const float *weight, float eps, float offse
                      float *out);
 /* One row's gated activation: out[i] = act(gate[i]) * up[i], SiLU or GELU (tanh). */
 void dl_gated_row(const float *gate, const float *up, int width, int gelu, float *out);
+
+
+/* e^x for x in [-87, 88] (clamped outside): 2^(x log2 e) split into integer and fraction, the
+ * fraction by a polynomial (relative error ~2e-7), with fused multiply-adds. */
+static inline float exp_approx(float x) {
+    float t = fminf(fmaxf(x, -87.0f), 88.0f) * 1.44269504088896341f;
+    float whole = floorf(t), f = t - whole;
+    float p = 1.535336188319500e-4f;
+    p = fmaf(p, f, 1.339887440266574e-3f);
+    p = fmaf(p, f, 9.618437357674640e-3f);
+    p = fmaf(p, f, 5.550332471162809e-2f);
+    p = fmaf(p, f, 2.402264791363012e-1f);
+    p = fmaf(p, f, 6.931472028550421e-1f);
+    p = fmaf(p, f, 1.0f);
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)whole + 127) << 23};
+    return p * scale.f;
+}
+
+#ifdef __AVX2__
+/* exp_approx of eight values at once (the same operations, so the same bits). */
+static inline __m256 exp8_approx(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 whole = _mm256_floor_ps(t), f = _mm256_sub_ps(t, whole);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 #endif

@@ -21,15 +21,39 @@ void dl_rms_norm_row(const float *v, const float *weight, float eps, float offse
     for (i = 0; i < dim; ++i) o[i] = v[i] * inv * (offset + weight[i]);
 }
 
-void dl_gated_row(const float *g, const float *u, int width, int gelu, float *o) {
+/* act(x) * u: SiLU x / (1 + e^-x), or GELU (tanh) 0.5 x (1 + tanh(c (x + 0.044715 x^3))) with
+ * tanh(z) = 1 - 2 / (e^2z + 1) */
+static inline float gated(float x, float u, int gelu) {
     if (gelu) {
-        for (int i = 0; i < width; ++i) {
-            float x = g[i], inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            o[i] = 0.5f * x * (1.0f + tanhf(inner)) * u[i];
-        }
-    } else {
-        for (int i = 0; i < width; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + (1.0f - 2.0f / (exp_approx(2.0f * inner) + 1.0f))) * u;
     }
+    return x / (1.0f + exp_approx(-x)) * u;
+}
+
+#ifdef __AVX2__
+static inline __m256 gated8(__m256 x, __m256 u, int gelu) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (gelu) {
+        __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), x), x);
+        __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_add_ps(x, cube));
+        __m256 e = exp8_approx(_mm256_mul_ps(_mm256_set1_ps(2.0f), inner));
+        __m256 tanh = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+        __m256 half_x = _mm256_mul_ps(_mm256_set1_ps(0.5f), x);
+        return _mm256_mul_ps(_mm256_mul_ps(half_x, _mm256_add_ps(one, tanh)), u);
+    }
+    __m256 e = exp8_approx(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), u);
+}
+#endif
+
+void dl_gated_row(const float *g, const float *u, int width, int gelu, float *o) {
+    int i = 0;
+#ifdef __AVX2__
+    for (; i + LANES <= width; i += LANES)
+        _mm256_storeu_ps(o + i, gated8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), gelu));
+#endif
+    for (; i < width; ++i) o[i] = gated(g[i], u[i], gelu);
 }
 
 /* out[r] = x[r] / rms(x[r]) * (offset + weight), rms = sqrt(mean(x^2) + eps); x and out are

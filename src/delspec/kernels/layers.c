@@ -69,7 +69,7 @@ static void linear_tile(const Linear *w, int64_t row, const Activations *a, int6
 
 /* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over tiles. */
 static void linear(const Linear *w, const Activations *a, int64_t M, float *out) {
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < (w->N + TILE - 1) / TILE; ++t)
         linear_tile(w, t * TILE, a, M, out + t * TILE, w->N);
 }
@@ -80,7 +80,7 @@ static void gated_linear(const Model *m, const Linear *w, const Activations *a, 
                          float *act, float *scratch) {
     int width = m->intermediate;
     float *gate = scratch, *up = scratch + M * TILE;
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < width / TILE; ++t) {
         linear_tile(w, t * TILE, a, M, gate, TILE);
         linear_tile(w, width + t * TILE, a, M, up, TILE);
