@@ -19,6 +19,7 @@ from torch import Tensor
 
 from delspec.cache import write_atomically
 from delspec.engine import ExitHead
+from delspec.kernels.build import build_key, cpu_name
 from delspec.timing import synchronize
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
@@ -97,17 +98,20 @@ class MeasuredCost:
 
 
 def profile_key(exit_head: ExitHead) -> str:
-    """Identifies the setting a profile's model timings were measured for: model shape, device,
-    dtype, weight format, threads, and whether drafts run on int8 weights (not the draft head's
-    vocabulary: its timings are kept per vocabulary within the profile)."""
+    """Identifies the setting a profile's model timings were measured for: model shape, device
+    (and the CPU), dtype, weight format, threads, the compiled kernels' build, and whether drafts
+    run on int8 weights (not the draft head's vocabulary: its timings are kept per vocabulary
+    within the profile)."""
     model = exit_head.model
     parts = [
         repr(model.config),
         str(model.device),
+        cpu_name(),
         str(model.dtype),
         model.weights,
         str(torch.get_num_threads()),
         torch.__version__,
+        build_key(),
         "int8" if exit_head.int8 else "exact",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

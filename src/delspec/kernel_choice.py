@@ -22,7 +22,7 @@ import torch
 
 from delspec.cache import cache_dir, write_atomically
 from delspec.costs import PROFILE_MAX_AGE_S
-from delspec.kernels.build import cpu_flags, cpu_name, library
+from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.model import Linear, Transformer
 
@@ -112,7 +112,6 @@ def choose_kernels(model: Transformer) -> None:
 
 
 def _choice_key(model: Transformer) -> str:
-    lib = library()
     parts = [
         cpu_name(),
         " ".join(sorted(cpu_flags())),
@@ -121,7 +120,7 @@ def _choice_key(model: Transformer) -> str:
         repr(model.config),
         str(model.dtype),
         model.weights,
-        str(lib.dl_simd_level()) if lib is not None and model.weights != "float" else "-",
+        build_key() if model.weights != "float" else "-",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

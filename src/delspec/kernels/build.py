@@ -121,7 +121,15 @@ def library() -> ctypes.CDLL | None:
         _notice(f"could not load the GGUF kernels ({exc}); using torch's kernels (slower)")
         return None
     _declare(lib)
+    lib.build_key = key
     return lib
+
+
+def build_key() -> str:
+    """Which build of the kernels this process runs (source, flags, compiler), or "none": part
+    of the key of every cached measurement made with them."""
+    lib = library()
+    return "none" if lib is None else lib.build_key
 
 
 def _compile(compiler: str, flags: list[str], out: Path) -> None:
