@@ -197,3 +197,45 @@ def test_a_draft_cap_set_by_the_user_bounds_the_optimum():
     assert (policy.draft_length, policy.plan().draft_cap) == (2, 2)
     capped = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0, draft_cap=1)
     assert (capped.draft_length, capped.plan().draft_cap) == (2, 1)
+
+
+def test_final_layer_drafts_are_the_full_head_restricted_to_each_vocabulary():
+    model = tiny_model(seed=4, num_layers=4)
+    levels = [torch.arange(8), torch.arange(24), None]
+    head = DraftHead(model, vocab=levels, context_vocab=False)
+    h = torch.randn(6, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(1))
+    tokens, confidence = head.final_layer_drafts(model.head(h))
+    for level, vocab in enumerate(levels):
+        probs = torch.softmax(head(h, 4, level), -1)
+        best, column = probs.max(-1)
+        assert tokens[level].tolist() == (column if vocab is None else vocab[column]).tolist()
+        torch.testing.assert_close(confidence[level], best.float())
+    int8 = DraftHead(
+        tiny_model(seed=4, num_layers=4, dtype=torch.float32), vocab=levels[0], int8=True
+    )
+    assert int8.final_layer_drafts(model.head(h).float()) is None  # int8 drafts differ
+
+
+def test_plain_rounds_update_the_final_layer_from_their_verification():
+    """The final layer drafts as the full head restricted to a vocabulary: a plain round's own
+    logits say what it would have drafted, so its statistics grow without any shadow tokens."""
+    model = tiny_model(seed=2, num_layers=4)
+    head = DraftHead(model, vocab=[torch.arange(8), None], context_vocab=False)
+    policy = make_policy("del", 4, cost="measured", omega=1.0, prior=0, shadow_budget=0.01)
+    policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
+    policy.start(head)
+    policy.in_warmup = False
+    final = policy.candidates.index(4)
+    h = torch.randn(1, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(3))
+    logits = model.head(h)
+    targets = logits.argmax(-1)
+    for _ in range(3):
+        record = Round(0, 0, [], [], 0, [], targets)  # plain, no states: unscored
+        record.logits = logits
+        policy.observe(record)
+    in_small = bool(targets[0] < 8)
+    rows = [final, len(policy.candidates) + final]  # the final layer at each level
+    assert policy.stats.matched[rows].tolist() == [3.0 * in_small, 3.0]
+    assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
+    others = [r for r in range(2 * len(policy.candidates)) if r not in rows]
+    assert (policy.stats.matched + policy.stats.mismatched)[others].sum() == 0

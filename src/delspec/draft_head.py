@@ -106,6 +106,9 @@ class DraftHead(ExitHead):
         states = self.exit_states(hidden, exit_layers)
         return self._project(states, self.draft_weights[0], self.extras[0])
 
+    def _adapts(self, exit_layer: int) -> bool:
+        return exit_layer in self.adapted
+
     @property
     def vocab_sizes(self) -> list[int]:
         full = self.model.config.vocab_size

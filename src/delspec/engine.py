@@ -95,6 +95,27 @@ class ExitHead:
         n = self.exit_states(hidden, exit_layers)
         return self.model.softcap((n * self.model.head_rows(tokens)).sum(-1))
 
+    def final_layer_drafts(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
+        """What drafts from the final layer would have been, from the full head's `logits`
+        `[positions, vocab]` of the final layer's states (a verification's own): per level,
+        the drafted token and its confidence, `[levels, positions]`. None where such drafts are
+        not the full head restricted to the level's vocabulary (int8 drafts, or an adapter at
+        the final layer)."""
+        if self.int8 or self._adapts(self.model.num_layers):
+            return None
+        logits = logits.float()
+        tokens, confidences = [], []
+        for vocab in self.vocabs:
+            columns = logits if vocab is None else logits[:, vocab]
+            top, column = columns.max(-1)
+            confidences.append(torch.exp(top - torch.logsumexp(columns, -1)))
+            tokens.append(column if vocab is None else vocab[column])
+        return torch.stack(tokens).cpu(), torch.stack(confidences).cpu()
+
+    def _adapts(self, exit_layer: int) -> bool:
+        """Whether drafts from `exit_layer` go through an exit adapter (none here)."""
+        return False
+
     def covered(self, tokens: Tensor) -> Tensor:
         """`[levels, tokens]`: whether each level could draft each token before the latest
         `admit` (everything, for a head without pruned vocabularies)."""
@@ -125,6 +146,7 @@ class Round:
     draft_s: float = 0.0
     verify_s: float = 0.0
     extra: dict = field(default_factory=dict)  # policy annotations for traces
+    logits: Tensor | None = None  # the full head's, after the input and each draft token
 
 
 @dataclass
@@ -220,6 +242,7 @@ class Engine:
             level=level,
         )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
+        record.logits = logits
         if self._context is not None:
             context_hidden, context_targets = self._context
             self._context = None

@@ -115,9 +115,13 @@ class FastDynamicExit(DynamicExit):
         rows, positions = self._scope(record)
         if rows is not None:
             self._score(record, rows, positions)
-            self._choose()
         elif record.drafted:
             self._count_drafts(record)
+        final = self._final_row
+        scored = [] if rows is None else rows.tolist()
+        if final is not None and record.exit_layer != self.num_layers and final not in scored:
+            self._count_final_layer(record)
+        if rows is not None or record.drafted or final is not None:
             self._choose()
         elapsed = time.perf_counter() - start
         # The warm-up is a one-off per prompt, like the prefill: it is not charged to the budget.
@@ -152,6 +156,27 @@ class FastDynamicExit(DynamicExit):
             chosen.setdefault(self.cursor)
             self.cursor = (self.cursor + 1) % len(self.candidates)
         return torch.tensor(sorted(chosen)), positions
+
+    @property
+    def _final_row(self) -> int | None:
+        """The final layer's candidate row, when it is a candidate."""
+        return (
+            self.candidates.index(self.num_layers) if self.num_layers in self.candidates else None
+        )
+
+    def _count_final_layer(self, record: Round) -> None:
+        """Update the final layer from the round's verification, at no cost: drafts from it
+        are the full head restricted to each vocabulary, whose logits the verification has, at
+        the positions whose inputs were all accepted."""
+        drafts = self.exit_head.final_layer_drafts(record.logits)
+        if drafts is None:
+            return
+        tokens, confidence = drafts
+        targets = record.targets[record.context :].cpu()
+        match = (tokens == targets[None]) & self.exit_head.covered(targets)
+        valid = torch.arange(len(targets)) <= record.accepted
+        rows = self._level_rows(torch.tensor([self._final_row]))
+        self.stats.update(match[: self.levels], confidence[: self.levels], valid, rows)
 
     def _must_score(self) -> list[int]:
         """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
