@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from delspec import load_model
-from delspec.generate import decode_tokens
+from delspec.decoding import decode_tokens
 from delspec.gguf_conversion import converted_checkpoint
 from delspec.named_models import default_model_path
 from delspec.policies import make_policy

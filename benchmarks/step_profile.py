@@ -42,7 +42,8 @@ def compiled_profile(model, rows: int, position: int, repeats: int) -> dict[str,
     compiled = model.compiled_layers()
     x = torch.randn(rows, model.config.hidden_size)
     totals = torch.zeros(len(STEPS), dtype=torch.float64)
-    run = lambda: compiled.run(x, position, 0, model.num_layers, None, totals)  # noqa: E731
+    where = (list(range(position, position + rows)), [0] * rows)
+    run = lambda: compiled.run(x, *where, 0, model.num_layers, None, totals)  # noqa: E731
     run()
     totals.zero_()
     for _ in range(repeats):
@@ -65,7 +66,7 @@ def eager_profile(model, rows: int, position: int, repeats: int) -> dict[str, fl
     mask = model._mask(position, rows, None)
 
     def attention_only(block):  # the attention module less its two projections
-        return block.attn(x, position, model.cache[0], cos, sin, mask)
+        return block.attn(x, position, model.cache[0, :, 0], cos, sin, mask)
 
     parts = {
         "embedding lookup": lambda: model.embed(ids),

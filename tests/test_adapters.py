@@ -14,11 +14,11 @@ from delspec.adapters import ExitAdapters, default_adapters_path, load_adapters,
 from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
+from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead, draft_head
 from delspec.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.generate import decode_tokens
 from delspec.loading import LoadedModel
 from delspec.policies import STRATEGIES, make_policy
 from delspec.sampling import Sampling

@@ -24,10 +24,11 @@ from delspec.decode_config import (
     StaticOptions,
     parse_option,
 )
+from delspec.decoding import decode_tokens
 from delspec.draft_head import draft_head
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError
-from delspec.generate import decode_tokens, generate
+from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.policies import POLICIES, make_policy
 from delspec.policies.dynamic_exit import DynamicExit

@@ -8,9 +8,9 @@ from test_costs import profile
 from tiny_models import tiny_model
 
 from delspec.costs import MeasuredCost
+from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
-from delspec.generate import decode_tokens
 from delspec.policies import make_policy
 
 LAYERS = 10

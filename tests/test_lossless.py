@@ -9,9 +9,9 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import StaticOptions
+from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
-from delspec.generate import decode_tokens
 from delspec.policies import STRATEGIES, Plan, make_policy
 from delspec.policies.fixed import Static
 

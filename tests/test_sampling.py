@@ -11,9 +11,9 @@ from scipy.stats import chisquare
 from test_lossless import AtLevel
 from tiny_models import tiny_model
 
+from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.errors import ConfigError
-from delspec.generate import decode_tokens
 from delspec.policies import make_policy
 from delspec.sampling import Sampling
 

@@ -5,18 +5,14 @@ is the session fixture of conftest.py."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from tiny_models import tiny_model
 
 from delspec.decode_config import DEFAULT_STRATEGY, DecodeConfig
@@ -24,29 +20,12 @@ from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.sampling import Sampling
 from delspec.server import create_app
+from delspec.server import serving as running
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@contextmanager
-def running(app: FastAPI) -> Iterator[str]:
-    """Serves `app` on 127.0.0.1 (a free port) in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -345,7 +324,10 @@ def test_unknown_routes_get_openai_errors(tiny_url: str) -> None:
 def test_health_and_metrics(tiny_url: str) -> None:
     httpx.post(tiny_url + TEXT, json={"prompt": "hi", "max_tokens": 8}, timeout=TIMEOUT)
     health = httpx.get(tiny_url + "/health").json()
-    assert health == {"status": "ok", "model": "tiny", "queue_depth": 0, "busy": False}
+    assert health == {
+        "status": "ok", "model": "tiny", "queue_depth": 0, "active": 0, "max_batch": 1,
+        "busy": False,
+    }  # fmt: skip
     response = httpx.get(tiny_url + "/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     samples = dict(

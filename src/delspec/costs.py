@@ -143,11 +143,10 @@ def measure_profile(
     cfg, int8 = model.config, exit_head.int8
     total = min(cfg.max_position, context + max_tokens + 1)
     context = total - max_tokens - 1
-    model.setup_cache(total)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (context + max_tokens,), generator=gen)
     ids = ids.to(model.device)
-    with torch.inference_mode():
+    with model.scratch_cache(total), torch.inference_mode():
         model.run_layers(model.embed(ids[:context]), 0, 0, cfg.num_layers)
         states = model.embed(ids[context:])
 

@@ -161,7 +161,8 @@ class _Draft:
 
 
 class Engine:
-    """Holds one sequence's committed tokens and runs rounds on a model's KV cache."""
+    """Holds one sequence's committed tokens and runs rounds on its slot of a model's KV
+    cache."""
 
     def __init__(
         self,
@@ -169,8 +170,10 @@ class Engine:
         sampling: Sampling,
         eos_token_ids: tuple[int, ...] = (),
         exit_head: ExitHead | None = None,
+        slot: int = 0,
     ) -> None:
         self.model = model
+        self.slot = slot
         self.sampling = sampling
         self.eos = frozenset(eos_token_ids)
         self.exit_head = exit_head or ExitHead(model)
@@ -189,18 +192,28 @@ class Engine:
         of the last `window` prefilled positions and their target tokens are handed to the first
         round as teacher-forced context (DEL's warm-up).
         """
-        self.tokens = list(prompt)
-        self._context = None
+        self.begin(prompt, capacity)
         model = self.model
-        model.setup_cache(capacity)
         if len(prompt) < 2:
             return
         collect: list[Tensor] | None = [] if window else None
-        model.run_layers(model.embed(self._ids(prompt[:-1])), 0, 0, model.num_layers, collect)
+        ids = self._ids(prompt[:-1])
+        model.run_layers(model.embed(ids), 0, 0, model.num_layers, collect, slot=self.slot)
         if collect:
             w = min(window, len(prompt) - 1)
             hidden = torch.stack([h[-w:] for h in collect])
             self._context = (hidden, model.head(hidden[-1]).argmax(-1))
+
+    def begin(self, prompt: list[int], capacity: int) -> None:
+        """Start a sequence whose prompt (all but its last token) the caller runs through every
+        layer: reserve `capacity` positions in its slot."""
+        self.tokens = list(prompt)
+        self._context = None
+        self.model.setup_cache(capacity, self.slot + 1)
+
+    def discard_warmup(self) -> None:
+        """Forget the prompt states kept for the first round (it is not this engine's)."""
+        self._context = None
 
     @torch.inference_mode()
     def round(
@@ -271,7 +284,7 @@ class Engine:
         for step in range(draft_cap):
             layers: list[Tensor] | None = [] if collect and not int8 else None
             h = model.run_layers(
-                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8
+                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8, self.slot
             )
             draft.states.append(h)
             if layers is not None:
@@ -294,15 +307,15 @@ class Engine:
         deep: list[Tensor] | None = [] if collect else None
         if n == 0 or self.exit_head.int8:  # every layer over the round's input and its drafts
             inputs = self._ids([self.tokens[-1], *draft.tokens])
-            h = model.run_layers(model.embed(inputs), pos, 0, model.num_layers, deep)
+            h = model.run_layers(
+                model.embed(inputs), pos, 0, model.num_layers, deep, slot=self.slot
+            )
         else:
             last: list[Tensor] | None = [] if collect else None
-            h_last = model.run_layers(
-                model.embed(self._ids(draft.tokens[-1:])), pos + n, 0, exit_layer, last
-            )
-            h = model.run_layers(
-                torch.cat([*draft.states, h_last]), pos, exit_layer, model.num_layers, deep
-            )
+            last_input = model.embed(self._ids(draft.tokens[-1:]))
+            h_last = model.run_layers(last_input, pos + n, 0, exit_layer, last, slot=self.slot)
+            states = torch.cat([*draft.states, h_last])
+            h = model.run_layers(states, pos, exit_layer, model.num_layers, deep, slot=self.slot)
             if collect:
                 draft.early.append(torch.stack(last))
         return model.head(h), deep

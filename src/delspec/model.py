@@ -10,8 +10,9 @@ attention at p sees exactly positions 0..p, so rejected draft positions never ne
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -282,7 +283,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
-        self.cache: Tensor | None = None  # [layers, 2, kv_heads, length, head_dim]
+        self.cache: Tensor | None = None  # [layers, 2, slots, kv_heads, length, head_dim]
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
         self.embed_blocks: BlockWeight | None = None  # replaces embedding.weight when set
         self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
@@ -359,7 +360,13 @@ class Transformer(nn.Module):
 
     @property
     def cache_length(self) -> int:
-        return 0 if self.cache is None else self.cache.shape[3]
+        """Positions each cache slot holds."""
+        return 0 if self.cache is None else self.cache.shape[4]
+
+    @property
+    def cache_slots(self) -> int:
+        """Sequences the cache holds at once (one slot each)."""
+        return 0 if self.cache is None else self.cache.shape[2]
 
     def make_int8_copies(self) -> None:
         """Make every layer's int8 weight copies now, rather than in the first int8 run."""
@@ -367,18 +374,21 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 module.int8_weight()
 
-    def setup_cache(self, length: int) -> None:
-        """Allocate (or reuse, if large enough) a KV cache for positions 0..length-1."""
+    def setup_cache(self, length: int, slots: int = 1) -> None:
+        """Allocate (or reuse, if large enough) a KV cache of `slots` sequences with positions
+        0..length-1 each."""
         cfg = self.config
         if length > cfg.max_position:
             raise ContextLengthError(
                 f"{length} positions exceed the model's context of {cfg.max_position} tokens"
             )
-        reusable = self.cache is not None and self.cache_length >= length
+        reusable = (
+            self.cache is not None and self.cache_length >= length and self.cache_slots >= slots
+        )
         # A cache made under torch.inference_mode cannot be written outside it (and vice versa).
         if reusable and self.cache.is_inference() == torch.is_inference_mode_enabled():
             return
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, length, cfg.head_dim)
+        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, length, cfg.head_dim)
         self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         local = cfg.rope_local_theta
         tables = {False: cfg.rope_theta, True: local if local is not None else cfg.rope_theta}
@@ -390,6 +400,18 @@ class Transformer(nn.Module):
             for sliding, theta in tables.items()
         }
         self._layer_binding = None
+
+    @contextlib.contextmanager
+    def scratch_cache(self, length: int, slots: int = 1) -> Iterator[None]:
+        """Within the block, a fresh cache of `slots` sequences of `length` positions (for
+        timing work); the model's own cache, and the sequences in it, come back after."""
+        saved = self.cache, self._rope, self._layer_binding
+        self.cache = None
+        try:
+            self.setup_cache(length, slots)
+            yield
+        finally:
+            self.cache, self._rope, self._layer_binding = saved
 
     def compiled_layers(self) -> LayerKernels | None:
         """The layers as one compiled call bound to this cache (block weights in float32 on
@@ -440,21 +462,20 @@ class Transformer(nn.Module):
         last: int,
         collect: list[Tensor] | None = None,
         int8: bool = False,
+        slot: int = 0,
     ) -> Tensor:
-        """Run layers `[first, last)` on the states of positions `start..start+len(h)-1`.
+        """Run layers `[first, last)` on the states of positions `start..start+len(h)-1` of the
+        sequence in cache slot `slot`.
 
         Writes those positions' keys and values into each layer's cache. If `collect` is a list,
         every layer's output is appended to it. `int8` runs the layers' products on int8 copies
         of their weights (`Int8Weight`): approximate states and cache entries, for drafts only.
         """
         n = h.shape[0]
-        if self.cache is None or start + n > self.cache_length:
-            raise ContextLengthError(
-                f"position {start + n - 1} is beyond the KV cache of {self.cache_length} positions"
-            )
-        compiled = self.compiled_layers()
+        self._check_room(start + n - 1, slot)
+        compiled = None if int8 else self.compiled_layers()
         if compiled is not None:
-            return compiled.run(h, start, first, last, collect)
+            return compiled.run(h, list(range(start, start + n)), [slot] * n, first, last, collect)
         cfg = self.config
         masks = {False: self._mask(start, n, None)}
         if cfg.sliding_window is not None:
@@ -465,10 +486,46 @@ class Transformer(nn.Module):
         for i in range(first, last):
             sliding = cfg.is_sliding(i)
             cos, sin = ropes[sliding]
-            h = self.layers[i](h, start, self.cache[i], cos, sin, masks[sliding], int8)
+            cache = self.cache[i, :, slot]
+            h = self.layers[i](h, start, cache, cos, sin, masks[sliding], int8)
             if collect is not None:
                 collect.append(h)
         return h
+
+    def run_rows(
+        self, h: Tensor, positions: list[int], slots: list[int], first: int, last: int
+    ) -> Tensor:
+        """Run layers `[first, last)` on rows of several sequences at once: row r is position
+        `positions[r]` of the sequence in cache slot `slots[r]` (a batched decode step). Each
+        row's result has the bits it would have computed alone (compiled layers: one call for
+        all rows; otherwise one `run_layers` per run of one sequence's consecutive positions)."""
+        for position, slot in zip(positions, slots, strict=True):
+            self._check_room(position, slot)
+        compiled = self.compiled_layers()
+        if compiled is not None:
+            return compiled.run(h, positions, slots, first, last, None)
+        out, r = [], 0
+        while r < len(positions):  # runs of one sequence's consecutive positions, one call each
+            end = r + 1
+            while (
+                end < len(positions)
+                and slots[end] == slots[r]
+                and positions[end] == positions[r] + end - r
+            ):
+                end += 1
+            out.append(self.run_layers(h[r:end], positions[r], first, last, slot=slots[r]))
+            r = end
+        return torch.cat(out)
+
+    def _check_room(self, position: int, slot: int) -> None:
+        if self.cache is None or position >= self.cache_length:
+            raise ContextLengthError(
+                f"position {position} is beyond the KV cache of {self.cache_length} positions"
+            )
+        if not 0 <= slot < self.cache_slots:
+            raise ContextLengthError(
+                f"slot {slot} is beyond the KV cache's {self.cache_slots} sequence slot(s)"
+            )
 
     def head(
         self, h: Tensor, weight: Tensor | Int8Weight | BlockWeight | None = None, int8: bool = False

@@ -25,9 +25,9 @@ import torch
 
 from delspec.bench.methods import method_config
 from delspec.decode_config import strategy_options
+from delspec.decoding import Stats, decode_tokens
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError
-from delspec.generate import Stats, decode_tokens
 from delspec.gguf_conversion import converted_checkpoint
 from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy

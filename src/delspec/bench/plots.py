@@ -1,7 +1,8 @@
 """PNG plots of a benchmark run, drawn with matplotlib's object API (Agg canvas, no pyplot state).
 
 `speedup_plot` compares methods per task; `exit_trace_plot` and `alpha_heatmap` show how DEL
-chose its exit layer over one prompt's rounds, from the trace kept in the results.
+chose its exit layer over one prompt's rounds, from the trace kept in the results; `serve_plot`
+shows a served model under concurrent clients.
 """
 
 from __future__ import annotations
@@ -103,6 +104,25 @@ def alpha_heatmap(trace: Mapping[str, Any], path: Path) -> Path:
     axes.set_ylabel("exit layer")
     axes.set_title(_trace_title(trace))
     axes.legend(fontsize=8, loc="upper right")
+    return _save(figure, path)
+
+
+def serve_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Aggregate tokens/s and p95 time to first token against the number of clients, one line
+    per server setup (`delspec bench-serve`)."""
+    figure = _figure(9.0, 4.0)
+    throughput, first = figure.subplots(1, 2)
+    for setup in dict.fromkeys(r["setup"] for r in runs):
+        own = [r for r in runs if r["setup"] == setup]
+        clients = [r["clients"] for r in own]
+        throughput.plot(clients, [r["tokens_per_s"] for r in own], marker="o", label=setup)
+        first.plot(clients, [r["first_token_p95_s"] for r in own], marker="o", label=setup)
+    throughput.set_ylabel("generated tokens/s (all clients)")
+    first.set_ylabel("time to first token, p95 (s)")
+    for axes in (throughput, first):
+        axes.set_xlabel("concurrent clients")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    throughput.legend(fontsize=8)
     return _save(figure, path)
 
 

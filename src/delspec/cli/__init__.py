@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_info(sub)
     commands.add_serve(sub)
     commands.add_bench(sub)
+    commands.add_bench_serve(sub)
     commands.add_calibrate(sub)
     return parser
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from delspec.cli.arguments import decode_arguments, decode_config, load, model_arguments
-from delspec.errors import DelspecError
+from delspec.errors import ConfigError, DelspecError
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
@@ -115,6 +115,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
+    srv.add_argument(
+        "--max-batch",
+        type=int,
+        help="requests generating at once (default: measured on this machine at start)",
+    )
+    srv.add_argument(
+        "--context",
+        type=int,
+        help="positions a request may use, prompt and reply (default: the model's, at most 4096)",
+    )
+    srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.set_defaults(func=cmd_serve)
 
@@ -130,8 +141,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         config=config,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        context=args.context,
         request_timeout=args.timeout,
+        model_name=args.served_model_name,
+        aliases=(lm.name, str(args.model)),
     )
+    return 0
+
+
+def add_bench_serve(sub: argparse._SubParsersAction) -> None:
+    """`delspec bench-serve`: concurrent streaming clients against the server."""
+    load = sub.add_parser(
+        "bench-serve", help="load the OpenAI server with concurrent streaming clients"
+    )
+    model_arguments(load)
+    load.add_argument(
+        "--setups",
+        default="ar@1,ar,del-fast@1,del-fast",
+        help="server setups STRATEGY[@BATCH],... (no @: the batch size measured at start)",
+    )
+    load.add_argument("--clients", default="1,4,8,16", help="concurrent clients, e.g. 1,4,8,16")
+    load.add_argument("--requests-per-client", type=int, default=2)
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--url", help="measure the server already running there instead")
+    load.add_argument("--out", type=Path, default=Path("bench-serve-results"))
+    load.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from delspec.bench.serve_load import parse_setups, run_bench_serve
+
+    setups = parse_setups(args.setups)
+    try:
+        clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
+    if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
+        raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
+    lm = None if args.url else load(args)
+    run_bench_serve(
+        lm,
+        setups,
+        clients,
+        per_client=args.requests_per_client,
+        max_tokens=args.max_tokens,
+        url=args.url,
+        out=args.out,
+    )
+    print(f"delspec: wrote results.json, summary.json, table.md, throughput.png to {args.out}")
     return 0
 
 

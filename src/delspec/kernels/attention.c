@@ -153,59 +153,79 @@ static void rope(const float *x, const float *cos, const float *sin, int dim, fl
     for (int i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-int64_t dl_attention_scratch(const AttentionShape *s, int64_t start, int64_t rows) {
-    return start + rows + (2 + rows) * (int64_t)s->dim;
+static inline int64_t position_of(const Rows *R, int r) {
+    return R->positions ? R->positions[r] : R->start + r;
 }
 
-/* Key `r` of the call's new rows (normed, rotated) into `out`; `scratch`: dim floats. */
-static void new_key(const AttentionShape *s, const float *qkv, int64_t ld_qkv, const float *cos,
-                    const float *sin, int kv_head, int r, float *scratch, float *out) {
+/* The cache of row r's sequence (keys or values), at key-value head 0. */
+static inline float *cache_of(const Rows *R, float *cache, int r) {
+    return cache + (R->slots ? R->slots[r] : 0) * R->slot_stride;
+}
+
+/* Row r's RoPE table row (cos or sin). */
+static inline const float *table_of(const Rows *R, const float *table, int r, int dim) {
+    return table + (position_of(R, r) - R->table_first) * dim;
+}
+
+int64_t dl_attention_scratch(const AttentionShape *s, const Rows *R) {
+    int64_t top = 0;
+    for (int r = 0; r < R->rows; ++r) top = position_of(R, r) > top ? position_of(R, r) : top;
+    return top + 1 + (2 + R->rows) * (int64_t)s->dim;
+}
+
+/* Key of the call's row r for key-value head g (normed, rotated) into `out`; `scratch`: dim
+ * floats. */
+static void new_key(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                    const float *cos, const float *sin, int g, int r, float *scratch, float *out) {
     int dim = s->dim;
-    const float *k = qkv + (int64_t)r * ld_qkv + (int64_t)(s->heads + kv_head) * dim;
+    const float *k = qkv + (int64_t)r * ld_qkv + (int64_t)(s->heads + g) * dim;
     for (int i = 0; i < dim; ++i) scratch[i] = k[i];
     head_norm(scratch, dim, s->k_norm, s->norm_eps, s->norm_offset);
-    rope(scratch, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, out);
+    rope(scratch, table_of(R, cos, r, dim), table_of(R, sin, r, dim), dim, out);
 }
 
-void dl_attention_write(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
-                        const float *cos, const float *sin, float *keys, float *values, int rows,
-                        int64_t start) {
+void dl_attention_write(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                        const float *cos, const float *sin, float *keys, float *values) {
     int dim = s->dim;
 #pragma omp for schedule(static)
-    for (int task = 0; task < rows * s->kv_heads; ++task) {
+    for (int task = 0; task < R->rows * s->kv_heads; ++task) {
         int r = task / s->kv_heads, g = task % s->kv_heads;
         float scratch[dim];
+        int64_t at = g * s->kv_stride + position_of(R, r) * dim;
         const float *v = qkv + (int64_t)r * ld_qkv + (int64_t)(s->heads + s->kv_heads + g) * dim;
-        float *slot = keys + g * s->kv_stride + (start + r) * dim;
-        float *vslot = values + g * s->kv_stride + (start + r) * dim;
-        new_key(s, qkv, ld_qkv, cos, sin, g, r, scratch, slot);
+        float *vslot = cache_of(R, values, r) + at;
+        new_key(s, R, qkv, ld_qkv, cos, sin, g, r, scratch, cache_of(R, keys, r) + at);
         for (int i = 0; i < dim; ++i) vslot[i] = v[i];
     }
 }
 
-void dl_attention_rows(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
+void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
                        const float *cos, const float *sin, float *keys, float *values, float *out,
-                       int rows, int64_t start, int written, float *scratch) {
-    int dim = s->dim, heads = s->heads, group = heads / s->kv_heads;
-    int64_t v_offset = (int64_t)(heads + s->kv_heads) * dim;
+                       int written, float *scratch) {
+    int dim = s->dim, heads = s->heads, group = heads / s->kv_heads, rows = R->rows;
+    int64_t v_offset = (int64_t)(heads + s->kv_heads) * dim, start = position_of(R, 0);
+    int64_t score_n = dl_attention_scratch(s, R) - (2 + rows) * (int64_t)dim;
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < heads * rows; ++task) {
         int h = task / rows, r = task % rows, g = h / group;
-        int64_t p = start + r, lo = s->window > 0 && p - s->window + 1 > 0 ? p - s->window + 1 : 0;
-        float *scores = scratch, *normed = scores + start + rows, *qr = normed + dim;
-        float *fresh = qr + dim; /* unless written: keys of new rows 0..r, [r + 1][dim] */
+        int64_t p = position_of(R, r);
+        int64_t lo = s->window > 0 && p - s->window + 1 > 0 ? p - s->window + 1 : 0;
+        float *scores = scratch, *normed = scores + score_n;
+        float *qr = normed + dim, *fresh = qr + dim; /* unless written: new rows' keys 0..r */
         const float *q = qkv + (int64_t)r * ld_qkv + (int64_t)h * dim;
         for (int i = 0; i < dim; ++i) normed[i] = q[i];
         head_norm(normed, dim, s->q_norm, s->norm_eps, s->norm_offset);
-        rope(normed, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim, qr);
-        const float *k = keys + (int64_t)g * s->kv_stride, *v = values + (int64_t)g * s->kv_stride;
-        int64_t cached = written ? p + 1 : start; /* positions read from the cache */
+        rope(normed, table_of(R, cos, r, dim), table_of(R, sin, r, dim), dim, qr);
+        const float *k = cache_of(R, keys, r) + (int64_t)g * s->kv_stride;
+        const float *v = cache_of(R, values, r) + (int64_t)g * s->kv_stride;
+        /* positions read from the cache; without `written`, the call's rows are one sequence's
+         * consecutive positions start.., whose keys each task computes itself */
+        int64_t cached = written ? p + 1 : start;
         if (!written) {
             for (int n = 0; n <= r; ++n)
-                new_key(s, qkv, ld_qkv, cos, sin, g, n, normed, fresh + n * dim);
+                new_key(s, R, qkv, ld_qkv, cos, sin, g, n, normed, fresh + n * dim);
             if (h % group == 0) { /* this row's key and value go into the cache for later calls */
-                float *slot = keys + g * s->kv_stride + p * dim;
-                float *vslot = values + g * s->kv_stride + p * dim;
+                float *slot = (float *)k + p * dim, *vslot = (float *)v + p * dim;
                 const float *value = qkv + (int64_t)r * ld_qkv + v_offset + (int64_t)g * dim;
                 for (int i = 0; i < dim; ++i) slot[i] = fresh[r * dim + i], vslot[i] = value[i];
             }
@@ -228,13 +248,13 @@ void dl_attention_rows(const AttentionShape *s, const float *qkv, int64_t ld_qkv
     }
 }
 
-/* One layer's attention for `rows` new positions start.. from their fused projection `qkv`
- * ([rows][ld_qkv]: heads * dim query values, then kv_heads * dim keys, then as many values).
- * Writes the new keys (normed, rotated) and values into `keys`/`values` ([kv_heads][kv_stride /
- * dim][dim], positions 0..start+rows-1 then cached) and the attention output to `out`
- * ([rows][heads * dim]). `cos`/`sin`: [rows][dim], the rows' RoPE tables. `q_norm`/`k_norm`:
- * per-head RMS norm weights, or NULL. Returns 0, or -1 when dim is not a multiple of 8, -2 when
- * out of memory. */
+/* One layer's attention for `rows` new positions start.. of one sequence from their fused
+ * projection `qkv` ([rows][ld_qkv]: heads * dim query values, then kv_heads * dim keys, then as
+ * many values). Writes the new keys (normed, rotated) and values into `keys`/`values`
+ * ([kv_heads][kv_stride / dim][dim], positions 0..start+rows-1 then cached) and the attention
+ * output to `out` ([rows][heads * dim]). `cos`/`sin`: [rows][dim], the rows' RoPE tables.
+ * `q_norm`/`k_norm`: per-head RMS norm weights, or NULL. Returns 0, or -1 when dim is not a
+ * multiple of 8, -2 when out of memory. */
 int dl_attention(const float *qkv, int64_t ld_qkv, const float *cos, const float *sin,
                  const float *q_norm, const float *k_norm, float norm_eps, float norm_offset,
                  float *keys, float *values, float *out, int heads, int kv_heads, int dim,
@@ -243,12 +263,13 @@ int dl_attention(const float *qkv, int64_t ld_qkv, const float *cos, const float
     if (dim % LANES) return -1;
     AttentionShape s = {heads, kv_heads, dim, kv_stride, window, scale,
                         q_norm, k_norm, norm_eps, norm_offset};
-    int64_t positions = start + rows, each = dl_attention_scratch(&s, start, rows);
+    Rows R = {rows, NULL, start, NULL, 0, start};
+    int64_t positions = start + rows, each = dl_attention_scratch(&s, &R);
     int team = threads > 1 && (int64_t)heads * rows * positions > 4096 ? threads : 1;
     float *scratch = malloc((size_t)(each * team) * sizeof(float));
     if (!scratch) return -2;
 #pragma omp parallel num_threads(team) if (team > 1)
-    dl_attention_rows(&s, qkv, ld_qkv, cos, sin, keys, values, out, rows, start, 0,
+    dl_attention_rows(&s, &R, qkv, ld_qkv, cos, sin, keys, values, out, 0,
                       scratch + each * omp_get_thread_num());
     free(scratch);
     return 0;

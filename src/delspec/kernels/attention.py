@@ -33,12 +33,13 @@ def fused_attention(
 
     Their keys (RMS-normed with `norms` = (query weight, key weight, eps, offset) if given, then
     rotated by the rows' `cos`/`sin` tables `[rows, dim]`) and values are written into `cache`
-    `[2, kv_heads, length, dim]` first; a row at position p sees positions `0..p`, or the last
-    `window` of them.
+    `[2, kv_heads, length, dim]` (keys and values each contiguous) first; a row at position p
+    sees positions `0..p`, or the last `window` of them.
     """
     _, kv_heads, _, dim = cache.shape
     rows = qkv.shape[0]
-    if dim % 8 or not cache.is_contiguous() or cache.dtype != torch.float32:
+    whole = cache.stride(1) == cache.shape[2] * dim and cache.stride(2) == dim  # each of k, v
+    if dim % 8 or not whole or cache.stride(3) != 1 or cache.dtype != torch.float32:
         raise ValueError("fused attention needs head_dim % 8 == 0 and a contiguous float32 cache")
     if qkv.stride(-1) != 1:  # e.g. a narrow product's transposed result
         qkv = qkv.contiguous()

@@ -52,20 +52,31 @@ typedef struct {
     float norm_eps, norm_offset;
 } AttentionShape;
 
-/* Writes the keys (normed, rotated) and values of `rows` new positions start.. from their fused
- * projection `qkv` ([rows][ld_qkv]) into the cache. Work-shared over rows and key-value heads.
- * `cos`/`sin`: the rows' RoPE tables [rows][dim]. */
-void dl_attention_write(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
-                        const float *cos, const float *sin, float *keys, float *values, int rows,
-                        int64_t start);
-/* The attention output of those rows [rows][heads * dim]. With `written`, the cache already
- * holds the new rows (dl_attention_write); otherwise each task computes the new keys it needs
- * and writes its row's key and value into the cache itself (no step and barrier before; the bits
- * are the same). `scratch`: per thread, dl_attention_scratch floats. Work-shared over (head, row). */
-void dl_attention_rows(const AttentionShape *s, const float *qkv, int64_t ld_qkv,
+/* Where a call's rows are: row r at position positions[r] (start + r when positions is NULL)
+ * of cache slot slots[r] (slot 0 when slots is NULL); slots are slot_stride floats apart in the
+ * keys and in the values; the RoPE tables passed with them begin at position table_first. */
+typedef struct {
+    int rows;
+    const int64_t *positions;
+    int64_t start;
+    const int64_t *slots;
+    int64_t slot_stride;
+    int64_t table_first;
+} Rows;
+
+/* Writes the keys (normed, rotated) and values of the rows, from their fused projection `qkv`
+ * ([rows][ld_qkv]), into the cache. Work-shared over rows and key-value heads. */
+void dl_attention_write(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                        const float *cos, const float *sin, float *keys, float *values);
+/* The attention output of the rows [rows][heads * dim]. With `written`, the cache already holds
+ * them (dl_attention_write); otherwise the rows must be one sequence's consecutive positions,
+ * and each task computes the new keys it needs and writes its row's key and value into the
+ * cache itself (no step and barrier before; the bits are the same). `scratch`: per thread,
+ * dl_attention_scratch floats. Work-shared over (head, row). */
+void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
                        const float *cos, const float *sin, float *keys, float *values, float *out,
-                       int rows, int64_t start, int written, float *scratch);
-int64_t dl_attention_scratch(const AttentionShape *s, int64_t start, int64_t rows);
+                       int written, float *scratch);
+int64_t dl_attention_scratch(const AttentionShape *s, const Rows *R);
 
 /* One row's RMS norm: out = x / rms(x) * (offset + weight) (out may be x). */
 void dl_rms_norm_row(const float *x, const float *weight, float eps, float offset, int dim,

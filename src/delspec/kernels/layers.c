@@ -46,7 +46,8 @@ typedef struct {
 typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, gelu;
     float eps, norm_offset, scale;
-    int64_t length; /* cache positions */
+    int64_t length;      /* cache positions per slot */
+    int64_t slot_stride; /* floats between a layer's cache slots (sequences) */
     int num_layers;
     const Layer *layers;
 } Model;
@@ -134,22 +135,20 @@ static void lap(double *profile, int step, double *since) {
 }
 
 static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, float *att,
-                  float *act, float *delta, int64_t rows, int64_t start, double *profile) {
+                  float *act, float *delta, const Rows *R, int written, double *profile) {
     double since = profile ? omp_get_wtime() : 0.0;
     int width = m->intermediate;
-    int64_t qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
+    int64_t rows = R->rows, qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
     AttentionShape s = {m->heads, m->kv_heads, m->dim, m->length * m->dim, L->window, m->scale,
                         L->q_norm, L->k_norm, m->eps, m->norm_offset};
-    const float *cos = L->cos + start * m->dim, *sin = L->sin + start * m->dim;
     Activations a;
     normed(m, own, L->attn_norm, &a, rows);
     lap(profile, NORM, &since);
     linear(&L->qkv, &a, rows, qkv);
     lap(profile, QKV, &since);
-    int written = rows >= WRITE_FIRST;
-    if (written) dl_attention_write(&s, qkv, qkv_n, cos, sin, L->keys, L->values, (int)rows, start);
-    dl_attention_rows(&s, qkv, qkv_n, cos, sin, L->keys, L->values, att, (int)rows, start,
-                      written, own->attention);
+    if (written) dl_attention_write(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values);
+    dl_attention_rows(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values, att, written,
+                      own->attention);
     lap(profile, ATTENTION, &since);
     dl_activations_at(&a, own->quantised, rows, att_n);
     dl_quantise_rows(att, att_n, 0, rows, &a);
@@ -170,18 +169,24 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
 
 static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-/* Runs layers [first, last) on the states h [rows][hidden] of positions start.. in place,
- * writing their keys and values into the cache. With `collect`, each layer's output is copied to
- * collect[(i - first) * rows * hidden]; with `profile`, seconds per step of a layer are added to
- * profile[0..7] (norm, q/k/v, attention, output, MLP norm, gate/up, down, residual). Returns 0,
- * or -2 when out of memory. */
-int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, int last,
-              float *collect, int threads, double *profile) {
+/* Runs layers [first, last) on the states h [rows][hidden] in place: row r at position
+ * positions[r] of cache slot slots[r] (a sequence), writing their keys and values into the
+ * cache. With `collect`, each layer's output is copied to collect[(i - first) * rows * hidden];
+ * with `profile`, seconds per step of a layer are added to profile[0..7] (norm, q/k/v,
+ * attention, output, MLP norm, gate/up, down, residual). Returns 0, or -2 when out of memory. */
+int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
+              const int64_t *slots, int first, int last, float *collect, int threads,
+              double *profile) {
     if (first >= last) return 0;
     int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
     int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
     if (d > widest) widest = d;
     AttentionShape shape = {m->heads, m->kv_heads, m->dim, 0, 0, 0, NULL, NULL, 0, 0};
+    Rows R = {(int)rows, positions, 0, slots, m->slot_stride, 0};
+    int contiguous = 1; /* one sequence's consecutive positions */
+    for (int64_t r = 1; r < rows; ++r)
+        contiguous &= slots[r] == slots[0] && positions[r] == positions[0] + r;
+    int written = rows >= WRITE_FIRST || !contiguous;
     size_t states = round64((size_t)(rows * d) * 4);
     size_t shared[] = {
         round64((size_t)(rows * m->layers[first].qkv.N) * 4), /* q/k/v */
@@ -191,7 +196,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, 
     };
     size_t gates = round64((size_t)(2 * rows * TILE) * 4), quantised = dl_activation_bytes(rows, widest);
     size_t own_bytes = 3 * states + gates + quantised +
-                       round64((size_t)dl_attention_scratch(&shape, start, rows) * 4);
+                       round64((size_t)dl_attention_scratch(&shape, &R) * 4);
     size_t total = shared[0] + shared[1] + shared[2] + shared[3] + own_bytes * (size_t)team;
     static __thread char *arena = NULL;
     static __thread size_t capacity = 0;
@@ -214,7 +219,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, int64_t start, int first, 
                    (float *)(at + 3 * states + gates + quantised)};
         memcpy(own.h, h, (size_t)(rows * d) * 4);
         for (int i = first; i < last; ++i) {
-            layer(m, &m->layers[i], &own, qkv, att, act, delta, rows, start, profile);
+            layer(m, &m->layers[i], &own, qkv, att, act, delta, &R, written, profile);
             if (collect && omp_get_thread_num() == 0)
                 memcpy(collect + (int64_t)(i - first) * rows * d, own.h, (size_t)(rows * d) * 4);
         }

@@ -62,6 +62,7 @@ class _Model(ctypes.Structure):
         *((name, _INT) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate", "gelu")),
         *((name, _F32) for name in ("eps", "norm_offset", "scale")),
         ("length", _I64),
+        ("slot_stride", _I64),
         ("num_layers", _INT),
         ("layers", ctypes.POINTER(_Layer)),
     ]
@@ -145,10 +146,11 @@ class LayerKernels:
         return LayerKernels(model)
 
     def bind(self, cache: Tensor, ropes: dict[bool, tuple[Tensor, Tensor]]) -> None:
-        """Point every layer at its part of `cache` `[layers, 2, kv_heads, length, dim]` and at
-        its RoPE tables (`ropes[sliding]` = cos, sin `[length, dim]`)."""
+        """Point every layer at its part of `cache` `[layers, 2, slots, kv_heads, length, dim]`
+        and at its RoPE tables (`ropes[sliding]` = cos, sin `[length, dim]`)."""
         cfg = self.model.config
-        self.description.length = cache.shape[3]
+        self.description.length = cache.shape[4]
+        self.description.slot_stride = cache.stride(2)
         for i, layer in enumerate(self.layers):
             layer.keys, layer.values = cache[i, 0].data_ptr(), cache[i, 1].data_ptr()
             cos, sin = ropes[cfg.is_sliding(i)]
@@ -158,23 +160,27 @@ class LayerKernels:
     def run(
         self,
         h: Tensor,
-        start: int,
+        positions: list[int],
+        slots: list[int],
         first: int,
         last: int,
         collect: list[Tensor] | None,
         profile: Tensor | None = None,
     ) -> Tensor:
-        """Layers `[first, last)` on states `h` `[rows, hidden]` at positions `start..`; each
-        layer's output is appended to `collect` if given. `profile` (float64 `[len(STEPS)]`):
-        seconds per step of a layer (`STEPS`) are added to it."""
+        """Layers `[first, last)` on states `h` `[rows, hidden]`, row r at position
+        `positions[r]` of cache slot `slots[r]`; each layer's output is appended to `collect` if
+        given. `profile` (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are
+        added to it."""
         out = h.contiguous().clone()
         rows = out.shape[0]
+        where = torch.tensor([positions, slots], dtype=torch.int64)
         states = torch.empty(last - first, rows, out.shape[1]) if collect is not None else None
         status = library().dl_layers(
             ctypes.byref(self.description),
             out.data_ptr(),
             rows,
-            start,
+            where[0].data_ptr(),
+            where[1].data_ptr(),
             first,
             last,
             None if states is None else states.data_ptr(),

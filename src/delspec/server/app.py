@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -15,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding import measured_max_batch
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError
 from delspec.generate import encode_prompt
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CONTEXT = 4096  # positions per request (and cache slot) unless --context says
 _POLL_S = 0.25  # how often a waiting request checks whether its client is still there
 
 
@@ -53,13 +57,14 @@ class _Service:
         lm: LoadedModel,
         config: DecodeConfig,
         worker: Worker,
-        name: str,
+        names: tuple[str, ...],
         request_timeout: float,
         queue_timeout: float,
     ) -> None:
-        self.lm, self.config, self.worker, self.name = lm, config, worker, name
+        self.lm, self.config, self.worker = lm, config, worker
+        self.name, self.names = names[0], names
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
-        self.context = lm.model.config.max_position
+        self.context = worker.context  # positions a request may use: prompt and reply
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
@@ -68,7 +73,10 @@ class _Service:
         self._check_prompt(prompt_ids, "messages")
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        return await self._complete(request, body, prompt_ids, limit, param, chat=True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._complete(request, body, prompt_ids, limit, param, top, chat=True)
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         self._check_common(body)
@@ -78,13 +86,15 @@ class _Service:
             raise APIError(400, str(exc), param="prompt") from exc
         self._check_prompt(prompt_ids, "prompt")
         limit = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        return await self._complete(request, body, prompt_ids, limit, "max_tokens", chat=False)
+        top = body.logprobs
+        return await self._complete(request, body, prompt_ids, limit, "max_tokens", top, chat=False)
 
     def _check_common(self, body: GenerationRequest) -> None:
-        if body.model is not None and body.model != self.name:
+        if body.model is not None and body.model not in self.names:
+            known = "', '".join(self.names)
             raise APIError(
                 404,
-                f"the model '{body.model}' does not exist; this server serves '{self.name}'",
+                f"the model '{body.model}' does not exist; this server serves '{known}'",
                 param="model",
                 code="model_not_found",
             )
@@ -120,8 +130,8 @@ class _Service:
         if len(prompt_ids) >= self.context:
             raise APIError(
                 400,
-                f"the {param} has {len(prompt_ids)} tokens but the model's context is "
-                f"{self.context} tokens",
+                f"the {param} has {len(prompt_ids)} tokens but the context is {self.context} "
+                "tokens (for a request's prompt and reply: the model's, or serve --context)",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -133,10 +143,11 @@ class _Service:
         prompt_ids: list[int],
         limit: int | None,
         limit_param: str,
+        logprobs: int | None,
         chat: bool,
     ) -> Response:
-        job = self._submit(body, prompt_ids, limit, limit_param)
-        reply = Reply(chat, self.name, len(prompt_ids))
+        job = self._submit(body, prompt_ids, limit, limit_param, logprobs)
+        reply = Reply(chat, self.name, len(prompt_ids), self.lm.tokenizer)
         streaming = False
         try:
             await self._started(job, request)
@@ -160,15 +171,23 @@ class _Service:
                 self.worker.withdraw(job)
 
     def _submit(
-        self, body: GenerationRequest, prompt_ids: list[int], limit: int | None, limit_param: str
+        self,
+        body: GenerationRequest,
+        prompt_ids: list[int],
+        limit: int | None,
+        limit_param: str,
+        logprobs: int | None,
     ) -> Job:
         """Queue the generation `body` asks for (at most `limit` new tokens, which request
-        field `limit_param` set); 429 when the queue is full."""
-        if limit is not None and limit > self.context:
+        field `limit_param` set; `logprobs` top tokens per token, or None); 429 when the queue
+        is full."""
+        if limit is not None and len(prompt_ids) + limit > self.context:
             raise APIError(
                 400,
-                f"{limit_param}={limit} is more than the model's context of {self.context} tokens",
+                f"{limit_param}={limit} after a prompt of {len(prompt_ids)} tokens is more than "
+                f"the {self.context} positions a request may use (delspec serve --context)",
                 param=limit_param,
+                code="context_length_exceeded",
             )
         config = self._decode_config(body)
         sampling = Sampling(
@@ -181,6 +200,7 @@ class _Service:
             "sampling": sampling,
             "max_new_tokens": limit or self.context - len(prompt_ids),
             "stop": body.stop,
+            "logprobs": logprobs,
         }
         deadline = time.monotonic() + self.request_timeout
         loop = asyncio.get_running_loop()
@@ -191,7 +211,7 @@ class _Service:
             raise APIError(
                 429,
                 f"the server is busy: its queue of {self.worker.max_queue} waiting requests "
-                "is full (the model serves one request at a time); retry later",
+                f"is full (it generates for {self.worker.max_batch} at a time); retry later",
                 code="queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": "1"},
@@ -207,7 +227,7 @@ class _Service:
             raise APIError(
                 503,
                 f"the request waited {limit:g} s in the queue without reaching the model (it "
-                "serves one request at a time); retry later",
+                f"generates for {self.worker.max_batch} at a time); retry later",
                 code="queue_timeout",
                 kind="server_error",
             ) from None
@@ -266,17 +286,23 @@ def create_app(
     *,
     config: DecodeConfig | None = None,
     max_queue: int = 16,
+    max_batch: int | None = None,
+    context: int | None = None,
     request_timeout: float = 600.0,
     queue_timeout: float | None = None,
     model_name: str | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
     request's `delspec` options update.
 
-    `max_queue` requests may wait while one generates; `request_timeout` bounds a request from
-    arrival to its last token, `queue_timeout` (default: `request_timeout`) its wait in the
-    queue. `model_name` (default `lm.name`) is the id clients pass as `model`. Raises
-    `ConfigError` for invalid settings.
+    Up to `max_batch` requests generate at once (default: as many as a batched step pays for on
+    this machine, `measured_max_batch`), each with `context` positions for prompt and reply
+    (default: the model's context, at most `DEFAULT_CONTEXT`); `max_queue` more may wait.
+    `request_timeout` bounds a request from arrival to its last token, `queue_timeout`
+    (default: `request_timeout`) its wait in the queue. `model_name` (default `lm.name`) is the
+    id the server lists; clients may also name the model by any of `aliases` (e.g. the name it
+    was loaded by). Raises `ConfigError` for invalid settings.
     """
     config = config or DecodeConfig()
     make_policy(config, lm.model.num_layers)  # fail now, not at the first request:
@@ -288,10 +314,19 @@ def create_app(
         raise ConfigError(
             f"timeouts must be > 0 seconds, got {request_timeout} and {queue_timeout}"
         )
-    name = model_name or lm.name
+    limit = lm.model.config.max_position
+    context = min(limit, DEFAULT_CONTEXT) if context is None else context
+    if not 2 <= context <= limit:
+        raise ConfigError(f"context must be 2..{limit} (the model's), got {context}")
+    if max_batch is None:
+        max_batch = measured_max_batch(lm.model)
+        print(f"delspec: generating for up to {max_batch} requests at once", file=sys.stderr)
+    if max_batch < 1:
+        raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+    names = tuple(dict.fromkeys([model_name or lm.name, *aliases]))
     metrics = Metrics(lm.model.num_layers)
-    worker = Worker(lm, max_queue, metrics)
-    service = _Service(lm, config, worker, name, request_timeout, queue_timeout)
+    worker = Worker(lm, max_queue, metrics, max_batch, context)
+    service = _Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -317,13 +352,15 @@ def _add_routes(app: FastAPI, service: _Service, metrics: Metrics) -> None:
             "status": "ok",
             "model": name,
             "queue_depth": worker.depth,
-            "busy": worker.running is not None,
+            "active": worker.active,
+            "max_batch": worker.max_batch,
+            "busy": worker.active > 0,
         }
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return Response(
-            metrics.render(worker.depth, worker.running is not None),
+            metrics.render(worker.depth, worker.active),
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
@@ -362,6 +399,25 @@ def _add_error_handlers(app: FastAPI) -> None:
         ),
     )
     handle(Exception, lambda _, exc: as_api_error(exc))
+
+
+@contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serves `app` on `host` (a free port) in a background thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
 
 
 def serve(lm: LoadedModel, host: str = "127.0.0.1", port: int = 8000, **app_options: Any) -> None:

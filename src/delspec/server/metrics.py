@@ -10,20 +10,76 @@ from typing import Any
 from delspec.generate import Result
 
 
+class Histogram:
+    """A Prometheus histogram: counts of observations at or below each bound, sum, count."""
+
+    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.bounds = name, help_text, bounds
+        self.counts = [0] * len(bounds)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self) -> list[str]:
+        out = _metric(self.name, "histogram", self.help_text)
+        pairs = zip(self.bounds, self.counts, strict=True)
+        out += [f'{self.name}_bucket{{le="{b:g}"}} {n}' for b, n in pairs]
+        return [
+            *out,
+            f'{self.name}_bucket{{le="+Inf"}} {self.count}',
+            f"{self.name}_sum {self.sum:g}",
+            f"{self.name}_count {self.count}",
+        ]
+
+
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class Metrics:
     """Server counters, rendered in the Prometheus text exposition format (version 0.0.4)."""
 
     def __init__(self, num_layers: int) -> None:
         self._lock = threading.Lock()
+        self.batch_size = Histogram(
+            "delspec_batch_size", "Generations in each step.", (1, 2, 4, 8, 16, 32, 64)
+        )
+        self.queue_wait = Histogram(
+            "delspec_queue_wait_seconds", "Time a request waited for a slot.", _SECONDS
+        )
+        self.first_token = Histogram(
+            "delspec_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            _SECONDS,
+        )
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = self.generated_tokens = self.drafted = self.accepted = 0
         self.last_tokens_per_s = self.last_acceptance_rate = 0.0
-        self.exit_layers = [0] * (num_layers + 1)  # drafting rounds per exit layer
-        self.exit_layer_sum = 0
+        self.exit_layer = Histogram(
+            "delspec_exit_layer",
+            "Exit layer of each drafting round.",
+            tuple(range(1, num_layers + 1)),
+        )
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[endpoint, status] += 1
+
+    def observe_batch(self, size: int) -> None:
+        with self._lock:
+            self.batch_size.observe(size)
+
+    def observe_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.queue_wait.observe(seconds)
+
+    def observe_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.first_token.observe(seconds)
 
     def observe(self, result: Result) -> None:
         """Records a finished generation (which must have been traced)."""
@@ -37,10 +93,9 @@ class Metrics:
             self.last_acceptance_rate = stats.acceptance_rate
             for entry in result.trace or ():
                 if entry["drafted"]:
-                    self.exit_layers[entry["exit_layer"]] += 1
-                    self.exit_layer_sum += entry["exit_layer"]
+                    self.exit_layer.observe(entry["exit_layer"])
 
-    def render(self, queue_depth: int, busy: bool) -> str:
+    def render(self, queue_depth: int, active: int) -> str:
         with self._lock:
             lines = _metric(
                 "delspec_requests_total", "counter", "HTTP requests by endpoint and status."
@@ -66,22 +121,13 @@ class Metrics:
                     "Draft acceptance rate of the last generation.",
                     self.last_acceptance_rate,
                 ),
-                ("queue_depth", "gauge", "Requests waiting for the model.", queue_depth),
-                ("busy", "gauge", "1 while a generation runs.", int(busy)),
+                ("queue_depth", "gauge", "Requests waiting for a slot.", queue_depth),
+                ("active", "gauge", "Generations running now.", active),
+                ("busy", "gauge", "1 while a generation runs.", int(active > 0)),
             ]:
                 lines += [*_metric(f"delspec_{name}", kind, help_text), f"delspec_{name} {value}"]
-            lines += _metric(
-                "delspec_exit_layer", "histogram", "Exit layer of each drafting round."
-            )
-            total = 0
-            for layer, count in enumerate(self.exit_layers[1:], start=1):
-                total += count
-                lines.append(f'delspec_exit_layer_bucket{{le="{layer}"}} {total}')
-            lines += [
-                f'delspec_exit_layer_bucket{{le="+Inf"}} {total}',
-                f"delspec_exit_layer_sum {self.exit_layer_sum}",
-                f"delspec_exit_layer_count {total}",
-            ]
+            for histogram in (self.exit_layer, self.batch_size, self.queue_wait, self.first_token):
+                lines += histogram.lines()
         return "\n".join(lines) + "\n"
 
 

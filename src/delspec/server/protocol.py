@@ -69,10 +69,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top tokens per token
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -144,18 +147,21 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 class Reply:
-    """Builds the OpenAI response objects of one chat or text completion."""
+    """Builds the OpenAI response objects of one chat or text completion. Log-probabilities
+    (when asked for) come whole with the response, or with a stream's last chunk."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any) -> None:
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.tokenizer = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     def response(self, result: Result) -> dict[str, Any]:
+        logprobs = self._logprobs(result)
         content = (
-            {"message": {"role": "assistant", "content": result.text}}
+            {"message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
             if self.chat
-            else {"text": result.text, "logprobs": None}
+            else {"text": result.text, "logprobs": logprobs}
         )
         return self._wrap(False, {**content, "finish_reason": result.finish_reason}, result)
 
@@ -167,15 +173,45 @@ class Reply:
         return self._wrap(True, self._delta(text))
 
     def closing(self, result: Result) -> dict[str, Any]:
-        """The last chunk: finish reason, usage and delspec statistics."""
-        return self._wrap(
-            True, {**self._delta(None), "finish_reason": result.finish_reason}, result
-        )
+        """The last chunk: finish reason, log-probabilities, usage and delspec statistics."""
+        choice = {**self._delta(None), "finish_reason": result.finish_reason}
+        choice["logprobs"] = self._logprobs(result)
+        return self._wrap(True, choice, result)
 
     def _delta(self, text: str | None) -> dict[str, Any]:
         if self.chat:
             return {"delta": {} if text is None else {"content": text}}
         return {"text": text or "", "logprobs": None}
+
+    def _logprobs(self, result: Result) -> dict[str, Any] | None:
+        """OpenAI's log-probability object of the generated tokens (chat or completions)."""
+        if result.logprobs is None:
+            return None
+        tokens = result.token_ids[: len(result.logprobs)]
+        names = [self._token(t) for t in tokens]
+        if self.chat:
+            content = []
+            for name, (value, top) in zip(names, result.logprobs, strict=True):
+                best = [self._entry(self._token(t), v) for t, v in top]
+                content.append({**self._entry(name, value), "top_logprobs": best})
+            return {"content": content}
+        offsets, at = [], 0
+        for name in names:
+            offsets.append(at)
+            at += len(name)
+        return {
+            "tokens": names,
+            "token_logprobs": [value for value, _ in result.logprobs],
+            "top_logprobs": [{self._token(t): v for t, v in top} for _, top in result.logprobs],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    @staticmethod
+    def _entry(name: str, value: float) -> dict[str, Any]:
+        return {"token": name, "logprob": value, "bytes": list(name.encode())}
 
     def _wrap(self, chunk: bool, choice: dict[str, Any], result: Result | None = None) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (

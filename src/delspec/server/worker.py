@@ -1,4 +1,14 @@
-"""The single worker thread that runs generations one at a time from a bounded queue."""
+"""The worker thread: continuous batching of generations over the model's KV cache slots.
+
+Up to `max_batch` generations run at once, each in its own cache slot. A waiting request joins
+at the next round boundary (its prompt is prefilled in its slot), and a generation leaves as
+soon as it ends or its client goes away (the slot is free for the next one). While one
+generation runs alone it takes its own strategy's rounds (drafts and all); while several run,
+each takes a plain step in one batched pass over the weights (`step_together`): on a CPU the
+weights a step streams then serve every sequence, which is the saving speculation would
+otherwise buy, and a draft of k tokens for B sequences would cost a verification of B x k rows.
+Either way every sequence gets exactly its solo tokens (greedy) or its solo distribution.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from delspec.decode_config import DecodeConfig
+from delspec.decoding import start_together, step_together
 from delspec.errors import DelspecError
-from delspec.generate import generate
+from delspec.generate import TextDecoding
 from delspec.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -23,8 +36,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Job:
-    """One generation: the inputs for `generate` (`config`, and `options` such as
-    `max_new_tokens`) and the events it sends back.
+    """One generation: the inputs of a `TextDecoding` (`config`, and `options`: sampling,
+    max_new_tokens, stop, logprobs) and the events it sends back.
 
     Events, delivered to the request's event loop in order: ("start", None), then ("text",
     piece)... if `stream`, then ("done", Result) or ("error", exception).
@@ -39,6 +52,7 @@ class Job:
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     timed_out: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, value: Any = None) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -53,12 +67,27 @@ class QueueFull(Exception):
     """The worker has `max_queue` jobs waiting already."""
 
 
-class Worker:
-    """Runs jobs one at a time, in arrival order, on one background thread."""
+@dataclass(eq=False)
+class _Running:
+    job: Job
+    text: TextDecoding
+    first_token: bool = False
 
-    def __init__(self, lm: LoadedModel, max_queue: int, metrics: Metrics) -> None:
+    @property
+    def slot(self) -> int:
+        return self.text.decoding.engine.slot
+
+
+class Worker:
+    """Runs jobs on one background thread, up to `max_batch` at a time in arrival order, each
+    in a cache slot of `context` positions (prompt and reply). See the module docstring."""
+
+    def __init__(
+        self, lm: LoadedModel, max_queue: int, metrics: Metrics, max_batch: int, context: int
+    ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
-        self.running: Job | None = None
+        self.max_batch, self.context = max_batch, context
+        self._running: list[_Running] = []
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -66,26 +95,33 @@ class Worker:
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (not counting the running one)."""
+        """Jobs waiting for a slot."""
         return len(self._waiting)
 
+    @property
+    def active(self) -> int:
+        """Jobs generating now."""
+        return len(self._running)
+
     def start(self) -> None:
+        with torch.inference_mode():  # the slots, written by the engines in inference mode
+            self.lm.model.setup_cache(self.context, self.max_batch)
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Drops waiting jobs, stops the running one at its next round, joins the thread."""
+        """Drops waiting jobs, stops the running ones at their next round, joins the thread."""
         with self._cond:
             self._closed = True
-            for job in [*self._waiting, *([self.running] if self.running else [])]:
+            for job in [*self._waiting, *(r.job for r in self._running)]:
                 job.cancelled.set()
             self._waiting.clear()
             self._cond.notify()
         self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        """Queues `job`; raises `QueueFull` if `max_queue` jobs wait behind a running one."""
+        """Queues `job`; raises `QueueFull` if `max_queue` jobs wait already."""
         with self._cond:
-            if len(self._waiting) + (self.running is not None) > self.max_queue:
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - self.active):
                 raise QueueFull
             self._waiting.append(job)
             self._cond.notify()
@@ -100,33 +136,89 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._running and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                job = self.running = self._waiting.popleft()
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self.running = None
+                joining = []
+                while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                    joining.append(self._waiting.popleft())
+            if joining:
+                self._join(joining)
+            self._leave_stopped()
+            if self._running:
+                self._step()
 
-    def _run(self, job: Job) -> None:
-        job.emit("start")
-        try:
-            result = generate(
-                self.lm,
-                job.prompt_ids,
-                job.config,
-                on_text=(lambda piece, _kind: job.emit("text", piece)) if job.stream else None,
-                should_stop=job.should_stop,
-                trace=True,
-                **job.options,
-            )
-        except Exception as exc:  # reported to its client; the worker goes on serving
-            if not isinstance(exc, DelspecError):
-                log.exception("generation failed")
-            job.emit("error", exc)
+    def _join(self, jobs: list[Job]) -> None:
+        """Start `jobs` in free slots: their decodings, their prompts prefilled together, their
+        start events."""
+        used = {r.slot for r in self._running}
+        free = (s for s in range(self.max_batch) if s not in used)
+        joining = []
+        for job in jobs:
+            self.metrics.observe_wait(time.monotonic() - job.queued_at)
+            job.emit("start")
+            try:
+                options = {**job.options, "trace": True}
+                text = TextDecoding(self.lm, job.prompt_ids, job.config, slot=next(free), **options)
+            except Exception as exc:  # reported to its client; the worker goes on serving
+                self._fail(job, exc)
+                continue
+            joining.append(_Running(job, text))
+        if not joining:
             return
+        try:
+            start_together([r.text.decoding for r in joining])
+        except Exception as exc:
+            for entry in joining:
+                self._fail(entry.job, exc)
+            return
+        self._running += joining
+
+    def _step(self) -> None:
+        """One round for the running jobs: a lone one's own round, or one batched step."""
+        running = self._running
+        self.metrics.observe_batch(len(running))
+        try:
+            if len(running) == 1:
+                pieces = [running[0].text.advance()]
+            else:
+                committed = step_together([r.text.decoding for r in running])
+                pieces = [r.text.take(t) for r, t in zip(running, committed, strict=True)]
+        except Exception as exc:  # the whole step failed: every job in it gets the error
+            for entry in running:
+                self._fail(entry.job, exc)
+            self._running = []
+            return
+        for entry, texts in zip(list(running), pieces, strict=True):
+            if not entry.first_token:
+                entry.first_token = True
+                self.metrics.observe_first_token(time.monotonic() - entry.job.queued_at)
+            if entry.job.stream:
+                for piece, _kind in texts:
+                    entry.job.emit("text", piece)
+            if entry.text.decoding.done:
+                self._finish(entry)
+
+    def _leave_stopped(self) -> None:
+        """Jobs whose client went away or whose time is up end now (their slots free)."""
+        for entry in [r for r in self._running if r.job.should_stop()]:
+            if entry.job.cancelled.is_set():
+                self._running.remove(entry)
+            else:
+                entry.text.decoding.stop()
+                self._finish(entry)
+
+    def _finish(self, entry: _Running) -> None:
+        self._running.remove(entry)
+        pieces, result = entry.text.finish()
+        if entry.job.stream:
+            for piece, _kind in pieces:
+                entry.job.emit("text", piece)
         self.metrics.observe(result)
-        job.emit("done", result)
+        entry.job.emit("done", result)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        if not isinstance(exc, DelspecError):
+            log.error("generation failed", exc_info=exc)
+        job.emit("error", exc)

@@ -1,0 +1,268 @@
+"""`delspec bench-serve`: concurrent streaming clients against the OpenAI server.
+
+For each server setup (a strategy and a batch size, e.g. `ar@1` or `del-fast`: the measured
+batch size) and each number of clients C, C clients each send their share of task prompts one
+after another as streaming chat completions. Reported per (setup, C): aggregate generated
+tokens per second over the run's wall time, time to first token and time per output token after
+it (p50, p95), errors. The server runs in this process on loopback (or is the one at `--url`),
+on the same machine as the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from delspec.bench.tasks import TASKS, load_task
+from delspec.decode_config import DecodeConfig
+from delspec.errors import ConfigError
+from delspec.kernels.build import cpu_name
+
+if TYPE_CHECKING:
+    from delspec.loading import LoadedModel
+
+TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A server configuration: its strategy and batch size (None: measured at start)."""
+
+    strategy: str
+    max_batch: int | None
+
+    @property
+    def label(self) -> str:
+        return self.strategy + ("" if self.max_batch is None else f"@{self.max_batch}")
+
+
+def parse_setups(text: str) -> list[Setup]:
+    """Setups from `STRATEGY[@BATCH],...`, e.g. `ar@1,ar,del-fast@1,del-fast`."""
+    setups = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        strategy, _, batch = item.partition("@")
+        try:
+            size = int(batch) if batch else None
+        except ValueError:
+            raise ConfigError(
+                f"bad server setup {item!r}: the batch size is not a number"
+            ) from None
+        DecodeConfig(strategy=strategy)  # an unknown strategy is refused here
+        setups.append(Setup(strategy, size))
+    if not setups:
+        raise ConfigError("no server setups given")
+    return setups
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it."""
+
+    tokens: int = 0
+    first_token_s: float | None = None  # from sending to the first content
+    per_token_s: float | None = None  # after the first content, per further token
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    """One (setup, clients) measurement."""
+
+    setup: str
+    clients: int
+    requests: int
+    errors: int
+    wall_s: float
+    tokens_per_s: float
+    first_token_p50_s: float
+    first_token_p95_s: float
+    per_token_p50_ms: float
+    per_token_p95_ms: float
+    outcomes: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+
+async def _request(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Outcome:
+    outcome, start, first, last = Outcome(), time.perf_counter(), None, None
+    try:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:
+                    outcome.error = chunk["error"].get("code") or "error"
+                elif chunk["choices"][0]["delta"].get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+                if "usage" in chunk:
+                    outcome.tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        outcome.error = type(exc).__name__
+    if first is not None:
+        outcome.first_token_s = first - start
+        if outcome.tokens > 1:
+            outcome.per_token_s = (last - first) / (outcome.tokens - 1)
+    return outcome
+
+
+async def _clients(url: str, bodies: list[list[dict[str, Any]]]) -> list[Outcome]:
+    """Each client sends its bodies one after another; all clients at once."""
+    limits = httpx.Limits(max_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as http:
+
+        async def client(own: list[dict[str, Any]]) -> list[Outcome]:
+            return [await _request(http, url, body) for body in own]
+
+        results = await asyncio.gather(*(client(own) for own in bodies))
+    return [outcome for own in results for outcome in own]
+
+
+def measure(
+    url: str, setup: str, clients: int, prompts: list[str], per_client: int, max_tokens: int
+) -> Run:
+    """`clients` clients with `per_client` prompts each (cycling through `prompts`)."""
+    bodies = [
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": prompts[(c * per_client + i) % len(prompts)]}
+                ],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+            }
+            for i in range(per_client)
+        ]
+        for c in range(clients)
+    ]
+    start = time.perf_counter()
+    outcomes = asyncio.run(_clients(url, bodies))
+    wall = time.perf_counter() - start
+    good = [o for o in outcomes if o.error is None]
+    first = [o.first_token_s for o in good if o.first_token_s is not None]
+    per_token = [o.per_token_s for o in good if o.per_token_s is not None]
+    return Run(
+        setup,
+        clients,
+        len(outcomes),
+        len(outcomes) - len(good),
+        wall,
+        sum(o.tokens for o in good) / wall,
+        _quantile(first, 0.5),
+        _quantile(first, 0.95),
+        _quantile(per_token, 0.5) * 1e3,
+        _quantile(per_token, 0.95) * 1e3,
+        [asdict(o) for o in outcomes],
+    )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def task_prompts(count: int, seed: int = 42) -> list[str]:
+    """`count` prompts spread over the benchmark tasks."""
+    per_task = -(-count // len(TASKS))
+    pools = [load_task(name, per_task, seed) for name in TASKS]
+    mixed = [pool[i].text for i in range(per_task) for pool in pools if i < len(pool)]
+    return mixed[:count]
+
+
+def run_bench_serve(
+    lm: LoadedModel | None,
+    setups: list[Setup],
+    clients: list[int],
+    *,
+    per_client: int = 2,
+    max_tokens: int = 64,
+    url: str | None = None,
+    out: Path | None = None,
+) -> list[Run]:
+    """Measure every setup at every client count; writes results.json, table.md and a plot to
+    `out` when given. With `url`, the server there is measured as it is (one setup: its own)."""
+    from delspec.server import create_app, serving
+
+    prompts = task_prompts(max(clients) * per_client)
+    runs: list[Run] = []
+    for setup in setups if url is None else [Setup("(as served)", None)]:
+        if url is not None:
+            runs += [measure(url, setup.label, c, prompts, per_client, max_tokens) for c in clients]
+            continue
+        config = DecodeConfig(strategy=setup.strategy)
+        app = create_app(lm, config=config, max_batch=setup.max_batch, max_queue=max(clients))
+        with serving(app) as local:
+            measure(local, setup.label, 1, prompts, 1, 8)  # warm-up: profiles, first calls
+            for count in clients:
+                run = measure(local, setup.label, count, prompts, per_client, max_tokens)
+                print(
+                    f"{setup.label:14s} C={count:<3d} {run.tokens_per_s:8.1f} tok/s  "
+                    f"TTFT p95 {run.first_token_p95_s:6.2f} s  errors {run.errors}",
+                    flush=True,
+                )
+                runs.append(run)
+    if out is not None:
+        _write(runs, lm, max_tokens, per_client, out)
+    return runs
+
+
+def _write(
+    runs: list[Run], lm: LoadedModel | None, max_tokens: int, per_client: int, out: Path
+) -> None:
+    import torch
+
+    from delspec.bench.plots import serve_plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    environment = {
+        "model": None if lm is None else lm.name,
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "max_tokens": max_tokens,
+        "requests_per_client": per_client,
+    }
+    (out / "results.json").write_text(
+        json.dumps({"environment": environment, "runs": [asdict(r) for r in runs]}, indent=1)
+    )
+    summary = [{k: v for k, v in asdict(r).items() if k != "outcomes"} for r in runs]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    lines = [
+        f"# delspec bench-serve: {environment['model']}",
+        "",
+        f"{environment['date']} · {environment['cpu']} · {environment['threads']} thread(s) · "
+        f"torch {environment['torch']} · {per_client} streaming chat requests per client, "
+        f"at most {max_tokens} new tokens, greedy; server and clients on one machine.",
+        "",
+        "| setup | clients | tok/s | TTFT p50 (s) | TTFT p95 (s) | per token p50 (ms) "
+        "| per token p95 (ms) | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.setup} | {r.clients} | {r.tokens_per_s:.1f} | {r.first_token_p50_s:.2f} | "
+        f"{r.first_token_p95_s:.2f} | {r.per_token_p50_ms:.1f} | {r.per_token_p95_ms:.1f} | "
+        f"{r.errors} |"
+        for r in runs
+    ]
+    lines += [
+        "",
+        "setup: strategy@batch size (no @: the batch size the server measured at start). "
+        "tok/s: generated tokens of all requests over the wall time; TTFT: from sending a "
+        "request to its first text; per token: after that, per further token.",
+    ]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    serve_plot(summary, out / "throughput.png")

@@ -1,0 +1,392 @@
+"""Sequences being decoded: one at a time (`decode_tokens`), or several advanced together.
+
+A `Decoding` is one sequence in progress: its engine on a slot of the model's KV cache, its
+policy, and its statistics. `advance` runs one round the policy plans (drafts and all);
+`step_together` gives several decodings one plain step each in one batched pass over the
+weights. Either way a sequence's greedy tokens are the model's own greedy tokens (the kernels'
+rows are exact however many are computed together), and sampled tokens keep its distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from delspec.engine import Engine, ExitHead, Round
+from delspec.errors import ConfigError, ContextLengthError
+from delspec.kernel_choice import median_seconds
+from delspec.model import Transformer
+from delspec.policies import Policy
+from delspec.sampling import Sampling, draw
+from delspec.timing import synchronize
+
+OnRound = Callable[[list[int], int], bool]
+# per generated token: (its log-probability, the most likely tokens' (id, log-probability))
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class Stats:
+    """Timing and speculation statistics of one generation."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms_per_token: float = 0.0
+    tokens_per_s: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    etpl: float = 0.0  # sum(accepted + 1) / sum(E * T + L)
+    mean_exit_layer: float = 0.0  # over rounds that drafted
+    mean_draft_length: float = 0.0  # over all rounds
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    policy_s: float = 0.0  # statistics work between rounds (DEL's shadow tokens)
+    policy_share: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class Decoded:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop string, or caller), "length"
+    stats: Stats
+    trace: list[dict[str, Any]] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Decoding:
+    """One sequence being decoded. See the module docstring.
+
+    `logprobs=k` records, for every generated token, its log-probability under the model's
+    own next-token distribution (the verifier's, so the same under every strategy) and the k
+    most likely tokens'.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        prompt_ids: Sequence[int],
+        policy: Policy,
+        *,
+        sampling: Sampling | None = None,
+        max_new_tokens: int = 128,
+        eos_token_ids: Sequence[int] = (),
+        exit_head: ExitHead | None = None,
+        trace: bool = False,
+        slot: int = 0,
+        logprobs: int | None = None,
+    ) -> None:
+        self.prompt = _checked_prompt(prompt_ids, max_new_tokens, model.config.max_position)
+        self.max_new_tokens = max_new_tokens
+        self.policy = policy
+        self.eos = frozenset(eos_token_ids)
+        head = (exit_head or ExitHead(model)).for_prompt(self.prompt)
+        self.engine = Engine(model, sampling or Sampling(), tuple(eos_token_ids), head, slot)
+        self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
+        self.totals = _Totals(model.num_layers, len(self.prompt))
+        self.rounds: list[dict[str, Any]] | None = [] if trace else None
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        self.top_logprobs = logprobs or 0
+        self.finish_reason: str | None = None  # set once it stops early
+        self.prefill_s = self.decode_s = 0.0
+        policy.start(head)
+
+    @property
+    def model(self) -> Transformer:
+        return self.engine.model
+
+    @property
+    def generated(self) -> int:
+        return len(self.engine.tokens) - len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        room = self.capacity - len(self.engine.tokens)
+        return self.finish_reason is not None or self.generated >= self.max_new_tokens or room <= 0
+
+    def start(self) -> None:
+        """Prefill the prompt into the sequence's cache slot."""
+        policy = self.policy
+        t0 = time.perf_counter()
+        self.engine.prefill(
+            self.prompt, self.capacity, policy.warmup_window if policy.collect_hidden else 0
+        )
+        synchronize(self.model.device)
+        self.prefill_s = time.perf_counter() - t0
+
+    def advance(self) -> tuple[list[int], int]:
+        """One round as the policy plans it: the tokens it committed (up to EOS) and how many of
+        them were accepted drafts."""
+        t0 = time.perf_counter()
+        policy, engine = self.policy, self.engine
+        plan = policy.plan()
+        room = self.capacity - len(engine.tokens)
+        cap = min(plan.draft_cap, self.max_new_tokens - self.generated - 1, room - 1)
+        record = engine.round(
+            plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden, plan.level
+        )
+        t_obs = time.perf_counter()
+        policy.observe(record)
+        self.totals.add(record, time.perf_counter() - t_obs)
+        tokens = self._committed(record)
+        synchronize(self.model.device)
+        self.decode_s += time.perf_counter() - t0
+        return tokens, min(record.accepted, len(tokens))
+
+    def commit(self, token: int, logits: Tensor, seconds: float) -> list[int]:
+        """Take `token`, chosen from the full model's `logits` after the newest token by a plain
+        step made outside (`step_together`, which took `seconds`); returns it (or nothing)."""
+        engine = self.engine
+        position = len(engine.tokens) - 1
+        engine.tokens.append(token)
+        engine.exit_head.admit([token])
+        engine.discard_warmup()
+        record = Round(position, 0, [], [], 0, [token], logits.argmax(-1, keepdim=True))
+        record.verify_s, record.logits = seconds, logits[None]
+        self.totals.add(record, 0.0)
+        self.decode_s += seconds
+        return self._committed(record)
+
+    def _committed(self, record: Round) -> list[int]:
+        """The round's tokens up to an EOS (which stops the sequence); traces and log-
+        probabilities noted."""
+        tokens = record.tokens
+        stop_at = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+        if stop_at is not None:
+            engine = self.engine
+            del engine.tokens[len(engine.tokens) - len(tokens) + stop_at + 1 :]
+            tokens = tokens[: stop_at + 1]
+            self.finish_reason = "stop"
+        if self.rounds is not None:
+            self.rounds.append(_trace_entry(self.totals.stats.rounds, record))
+        if self.logprobs is not None:
+            self.logprobs.extend(_logprobs(record.logits, tokens, self.top_logprobs))
+        return tokens
+
+    def stop(self) -> None:
+        """End the sequence here (a stop string, or its caller is gone)."""
+        self.finish_reason = "stop"
+
+    def finish(self) -> Decoded:
+        """What the sequence decoded, with its statistics."""
+        new = self.engine.tokens[len(self.prompt) :][: self.max_new_tokens]
+        stats = self.totals.finish(len(new), self.prefill_s, self.decode_s)
+        logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
+        return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
+
+
+@torch.inference_mode()
+def start_together(decodings: Sequence[Decoding]) -> None:
+    """`Decoding.start` for several decodings (on distinct cache slots of one model) in one
+    batched pass over the weights: every prompt's rows at once. (No DEL warm-up context is
+    kept: its first round scores its own positions only.)"""
+    model = decodings[0].model
+    start = time.perf_counter()
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for d in decodings:
+        d.engine.begin(d.prompt, d.capacity)
+        ids += d.prompt[:-1]
+        positions += range(len(d.prompt) - 1)
+        slots += [d.engine.slot] * (len(d.prompt) - 1)
+    if ids:
+        states = model.embed(torch.tensor(ids, device=model.device))
+        model.run_rows(states, positions, slots, 0, model.num_layers)
+    synchronize(model.device)
+    share = (time.perf_counter() - start) / len(decodings)
+    for d in decodings:
+        d.prefill_s = share
+
+
+@torch.inference_mode()
+def step_together(decodings: Sequence[Decoding]) -> list[list[int]]:
+    """One plain step for each of `decodings` (on distinct cache slots of one model) in one
+    batched pass: their newest tokens' rows through every layer and the head together. Returns
+    each one's committed tokens (its next token, or none when it stopped)."""
+    model = decodings[0].model
+    start = time.perf_counter()
+    engines = [d.engine for d in decodings]
+    positions = [len(e.tokens) - 1 for e in engines]
+    ids = torch.tensor([e.tokens[-1] for e in engines], device=model.device)
+    h = model.run_rows(model.embed(ids), positions, [e.slot for e in engines], 0, model.num_layers)
+    logits = model.head(h)
+    tokens = []
+    for row, engine in zip(logits, engines, strict=True):
+        sampling = engine.sampling
+        if sampling.greedy:
+            tokens.append(int(row.argmax()))
+        else:
+            tokens.append(draw(sampling.probs(row[None])[0], engine.generator))
+    synchronize(model.device)
+    seconds = (time.perf_counter() - start) / len(decodings)  # each row's share
+    return [d.commit(t, row, seconds) for d, t, row in zip(decodings, tokens, logits, strict=True)]
+
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_GAIN = 1.1  # a batch size pays when it gives this much more throughput than half of it
+
+
+def measured_max_batch(model: Transformer, position: int = 128, repeats: int = 5) -> int:
+    """How many sequences a batched step should take on this machine: doubling from 1 while a
+    step of twice as many rows (at `position` tokens of context) still gives `BATCH_GAIN` more
+    tokens per second. (Without compiled layers, rows are computed one by one: 1.)"""
+    if model.device.type != "cpu":
+        return 1
+    best, throughput = 1, 0.0
+    with model.scratch_cache(position + 1, BATCH_SIZES[-1]), torch.inference_mode():
+        if model.compiled_layers() is None:
+            return 1
+        for size in BATCH_SIZES:
+            rate = size / median_seconds("batch", _batched_step(model, size, position), repeats)
+            if size > 1 and rate < BATCH_GAIN * throughput:
+                break
+            best, throughput = size, rate
+    return best
+
+
+def _batched_step(model: Transformer, size: int, position: int) -> Callable[[], Tensor]:
+    """A plain step of `size` sequences at `position`, one per cache slot."""
+    ids, positions, slots = (
+        torch.zeros(size, dtype=torch.long),
+        [position] * size,
+        list(range(size)),
+    )
+    return lambda: model.head(
+        model.run_rows(model.embed(ids), positions, slots, 0, model.num_layers)
+    )
+
+
+def decode_tokens(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    policy: Policy,
+    *,
+    sampling: Sampling | None = None,
+    max_new_tokens: int = 128,
+    eos_token_ids: Sequence[int] = (),
+    exit_head: ExitHead | None = None,
+    on_round: OnRound | None = None,
+    trace: bool = False,
+) -> Decoded:
+    """Generate up to `max_new_tokens` after `prompt_ids` with `policy` deciding every round.
+
+    Stops after an EOS token, at the budget or the model's context, or when `on_round(tokens,
+    accepted_drafts)` returns False. Greedy output equals plain autoregressive greedy output;
+    sampled output follows the same distribution.
+    """
+    decoding = Decoding(
+        model,
+        prompt_ids,
+        policy,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        exit_head=exit_head,
+        trace=trace,
+    )
+    decoding.start()
+    while not decoding.done:
+        tokens, accepted = decoding.advance()
+        if on_round is not None and not on_round(tokens, accepted):
+            decoding.stop()
+    return decoding.finish()
+
+
+class _Totals:
+    """Sums over a generation's rounds, and the `Stats` they give."""
+
+    def __init__(self, num_layers: int, prompt_tokens: int) -> None:
+        self.num_layers = num_layers
+        self.stats = Stats(prompt_tokens=prompt_tokens)
+        self.layer_loads = self.exit_sum = self.drafting_rounds = 0
+
+    def add(self, record: Round, policy_s: float) -> None:
+        """Count a finished round whose `observe` took `policy_s` seconds."""
+        stats = self.stats
+        stats.policy_s += policy_s
+        stats.draft_s += record.draft_s
+        stats.verify_s += record.verify_s
+        n = len(record.drafted)
+        stats.rounds += 1
+        stats.drafted += n
+        stats.accepted += record.accepted
+        self.layer_loads += record.exit_layer * n + self.num_layers
+        if n:
+            self.exit_sum += record.exit_layer
+            self.drafting_rounds += 1
+
+    def finish(self, new_tokens: int, prefill_s: float, decode_s: float) -> Stats:
+        """The statistics of a generation of `new_tokens` tokens with these timings."""
+        stats = self.stats
+        stats.new_tokens = new_tokens
+        stats.prefill_ms = prefill_s * 1000
+        stats.decode_ms_per_token = decode_s * 1000 / max(1, new_tokens)
+        stats.tokens_per_s = new_tokens / decode_s if decode_s > 0 else 0.0
+        stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        loads = self.layer_loads
+        stats.etpl = (stats.accepted + stats.rounds) / loads if loads else 0.0
+        stats.mean_draft_length = stats.drafted / stats.rounds if stats.rounds else 0.0
+        rounds = self.drafting_rounds
+        stats.mean_exit_layer = self.exit_sum / rounds if rounds else 0.0
+        stats.policy_share = stats.policy_s / decode_s if decode_s > 0 else 0.0
+        return stats
+
+
+def _trace_entry(index: int, record: Round) -> dict[str, Any]:
+    return {
+        "round": index,
+        "position": record.position,
+        "exit_layer": record.exit_layer,
+        "level": record.level,
+        "drafted": len(record.drafted),
+        "accepted": record.accepted,
+        "committed": len(record.tokens),
+        "draft_ms": round(record.draft_s * 1000, 3),
+        "verify_ms": round(record.verify_s * 1000, 3),
+        **{
+            (k[:-2] + "_ms" if k.endswith("_s") else k): (
+                round(v * 1000, 3) if k.endswith("_s") else v
+            )
+            for k, v in record.extra.items()
+        },
+    }
+
+
+def _logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the row of `logits` that predicted it, and the `top`
+    most likely tokens'."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), -1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(value, []) for value in chosen]
+    best = logp.topk(top, -1)
+    ids, values = best.indices.tolist(), best.values.tolist()
+    return [(value, list(zip(ids[i], values[i], strict=True))) for i, value in enumerate(chosen)]
+
+
+def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
+    """`prompt_ids` as a list; `ConfigError` or `ContextLengthError` when there is nothing to
+    generate from or no room in the model's `context`."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if len(prompt) >= context:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
+        )
+    return prompt

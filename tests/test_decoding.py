@@ -1,0 +1,119 @@
+"""Sequences decoded together (`step_together`, cache slots) and alone (`Decoding.advance`):
+each row's tokens are its solo tokens in any batch composition and arrival order, sampled ones
+too; log-probabilities are the verifier's, the same under every strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from delspec.decoding import Decoding, decode_tokens, start_together, step_together
+from delspec.policies import make_policy
+from delspec.sampling import Sampling
+
+PROMPTS = [list(range(3, 12)), list(range(20, 23)), [5, 9, 14, 2, 7, 30, 31], [40]]
+
+
+def solo(model, prompt, sampling=None, tokens=24):
+    policy = make_policy("ar", model.num_layers)
+    return decode_tokens(model, prompt, policy, sampling=sampling, max_new_tokens=tokens)
+
+
+def slots(model, length, count):
+    """A cache of `count` sequence slots, made as the engine writes it (in inference mode)."""
+    with torch.inference_mode():
+        model.setup_cache(length, count)
+
+
+def decoding(model, prompt, slot, sampling=None, tokens=24, strategy="ar", logprobs=None,
+             start=True):  # fmt: skip
+    policy = make_policy(strategy, model.num_layers)
+    d = Decoding(
+        model, prompt, policy, sampling=sampling, max_new_tokens=tokens, slot=slot,
+        logprobs=logprobs,
+    )  # fmt: skip
+    if start:
+        d.start()
+    return d
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["block weights", "float64 eager"])
+def test_batched_steps_give_each_sequence_its_solo_tokens(compiled):
+    model = tiny_model(seed=5, dtype=torch.float32, blocks=True) if compiled else tiny_model(seed=5)
+    expected = [solo(model, p).token_ids for p in PROMPTS]
+    slots(model, 64, len(PROMPTS))
+    assert (model.compiled_layers() is not None) == compiled
+    # arrivals and departures: sequences join at different steps and stop at their budgets
+    budgets = [24, 9, 17, 24]
+    active: list[Decoding] = []
+    finished: dict[int, list[int]] = {}
+    for step in range(40):
+        if step in (0, 3):  # one arrives alone
+            index = (0, 3).index(step)
+            active.append(decoding(model, PROMPTS[index], index, tokens=budgets[index]))
+        if step == 7:  # two arrive together: their prompts prefilled in one pass
+            joining = [
+                decoding(model, PROMPTS[i], i, tokens=budgets[i], start=False) for i in (2, 3)
+            ]
+            start_together(joining)
+            active += joining
+        if not active:
+            break
+        step_together(active)
+        for d in [d for d in active if d.done]:
+            finished[d.engine.slot] = d.finish().token_ids
+            active.remove(d)
+    assert finished == {i: expected[i][: budgets[i]] for i in range(len(PROMPTS))}
+
+
+def test_batched_sampling_draws_what_each_sequence_draws_alone():
+    model = tiny_model(seed=6, dtype=torch.float32, blocks=True)
+    samplings = [Sampling(temperature=0.9, top_p=0.95, seed=s) for s in range(3)]
+    expected = [solo(model, p, s).token_ids for p, s in zip(PROMPTS[:3], samplings, strict=True)]
+    slots(model, 64, 3)
+    batch = [
+        decoding(model, p, i, s)
+        for i, (p, s) in enumerate(zip(PROMPTS[:3], samplings, strict=True))
+    ]
+    while not all(d.done for d in batch):
+        step_together([d for d in batch if not d.done])
+    assert [d.finish().token_ids for d in batch] == expected
+
+
+def test_a_sequence_may_switch_between_its_own_rounds_and_batched_steps():
+    """A server runs a lone sequence's speculative rounds and batches it with others when they
+    come: the tokens are its solo greedy tokens throughout."""
+    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, shallow=2)
+    expected = solo(model, PROMPTS[0], tokens=40).token_ids
+    slots(model, 80, 2)
+    lone = decoding(model, PROMPTS[0], 0, tokens=40, strategy="del-fast")
+    other = decoding(model, PROMPTS[2], 1, tokens=40)
+    for step in range(60):
+        if lone.done:
+            break
+        if step % 5 < 2:
+            lone.advance()
+        else:
+            step_together([lone] + ([] if other.done else [other]))
+    assert lone.finish().token_ids == expected
+
+
+def test_log_probabilities_are_the_verifiers_under_every_strategy():
+    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, shallow=2)
+    slots(model, 64, 1)
+    results = {}
+    for strategy in ("ar", "static", "del-fast"):
+        d = decoding(model, PROMPTS[0], 0, tokens=20, strategy=strategy, logprobs=3)
+        while not d.done:
+            d.advance()
+        results[strategy] = d.finish()
+    reference = results["ar"]
+    assert len(reference.logprobs) == len(reference.token_ids) == 20
+    for token, (value, top) in zip(reference.token_ids, reference.logprobs, strict=True):
+        assert top[0][0] == token and top[0][1] == value and len(top) == 3  # greedy: the best
+        assert value <= 0.0
+    for strategy in ("static", "del-fast"):
+        assert results[strategy].token_ids == reference.token_ids
+        assert results[strategy].logprobs == reference.logprobs, strategy
+    assert results["static"].stats.drafted > 0  # the comparison covered verified drafts
