@@ -21,6 +21,8 @@ from test_server import (
     tiny_lm,
 )
 
+from delspec.bench.serve_load import parse_setups, run_bench_serve
+from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.server import create_app
@@ -152,3 +154,19 @@ def test_hostile_requests_get_400_and_others_keep_their_answers(
             response = httpx.post(url + path, json=body, timeout=TIMEOUT)
         assert_error(response, 400, param)
         assert honest.result(timeout=TIMEOUT)[0] == expected(reference, TEXT, good)
+
+
+def test_bench_serve_measures_a_running_server(smollm2: LoadedModel, tmp_path) -> None:
+    with running(create_app(tiny_lm(smollm2), max_batch=2)) as url:
+        runs = run_bench_serve(
+            [], [], [1, 3], per_client=2, max_tokens=5, url=url, out=tmp_path, prompts=PROMPTS
+        )
+    assert [(r.clients, r.requests, r.errors) for r in runs] == [(1, 2, 0), (3, 6, 0)]
+    assert all(r.tokens_per_s > 0 and 0 < r.first_token_p50_s <= r.first_token_p95_s for r in runs)
+    assert all(o["tokens"] == 5 for r in runs for o in r.outcomes)
+    table = (tmp_path / "table.md").read_text()
+    assert "| (as served) | 3 |" in table and "tiny" in table
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert {s.label for s in parse_setups("ar@1, del-fast")} == {"ar@1", "del-fast"}
+    with pytest.raises(ConfigError, match="warp"):
+        parse_setups("warp@2")

@@ -4,19 +4,25 @@ For each server setup (a strategy and a batch size, e.g. `ar@1` or `del-fast`: t
 batch size) and each number of clients C, C clients each send their share of task prompts one
 after another as streaming chat completions. Reported per (setup, C): aggregate generated
 tokens per second over the run's wall time, time to first token and time per output token after
-it (p50, p95), errors. The server runs in this process on loopback (or is the one at `--url`),
-on the same machine as the clients.
+it (p50, p95), errors. Each setup's server is started as its own process (`delspec serve` on
+a free loopback port), as a user would run it, on the same machine as the clients; or the
+server at `--url` is measured as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -24,9 +30,6 @@ from delspec.bench.tasks import TASKS, load_task
 from delspec.decode_config import DecodeConfig
 from delspec.errors import ConfigError
 from delspec.kernels.build import cpu_name
-
-if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
 
 TIMEOUT = 600.0
 
@@ -183,7 +186,7 @@ def task_prompts(count: int, seed: int = 42) -> list[str]:
 
 
 def run_bench_serve(
-    lm: LoadedModel | None,
+    serve_args: list[str],
     setups: list[Setup],
     clients: list[int],
     *,
@@ -191,23 +194,22 @@ def run_bench_serve(
     max_tokens: int = 64,
     url: str | None = None,
     out: Path | None = None,
+    prompts: list[str] | None = None,
 ) -> list[Run]:
-    """Measure every setup at every client count; writes results.json, table.md and a plot to
-    `out` when given. With `url`, the server there is measured as it is (one setup: its own)."""
-    from delspec.server import create_app, serving
-
-    prompts = task_prompts(max(clients) * per_client)
+    """Measure every setup at every client count, each setup's server started with
+    `delspec serve` and `serve_args` (model, weights, threads); writes results.json,
+    summary.json, table.md and a plot to `out` when given. With `url`, the server there is
+    measured as it is (one setup: its own). `prompts` default to the benchmark tasks'."""
+    prompts = prompts or task_prompts(max(clients) * per_client)
     runs: list[Run] = []
+    model = None
     for setup in setups if url is None else [Setup("(as served)", None)]:
-        if url is not None:
-            runs += [measure(url, setup.label, c, prompts, per_client, max_tokens) for c in clients]
-            continue
-        config = DecodeConfig(strategy=setup.strategy)
-        app = create_app(lm, config=config, max_batch=setup.max_batch, max_queue=max(clients))
-        with serving(app) as local:
-            measure(local, setup.label, 1, prompts, 1, 8)  # warm-up: profiles, first calls
+        with _server(serve_args, setup, max(clients)) if url is None else nullcontext(url) as at:
+            model = httpx.get(at + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+            if url is None:
+                measure(at, setup.label, 1, prompts, 1, 8)  # warm-up: profiles, first calls
             for count in clients:
-                run = measure(local, setup.label, count, prompts, per_client, max_tokens)
+                run = measure(at, setup.label, count, prompts, per_client, max_tokens)
                 print(
                     f"{setup.label:14s} C={count:<3d} {run.tokens_per_s:8.1f} tok/s  "
                     f"TTFT p95 {run.first_token_p95_s:6.2f} s  errors {run.errors}",
@@ -215,20 +217,54 @@ def run_bench_serve(
                 )
                 runs.append(run)
     if out is not None:
-        _write(runs, lm, max_tokens, per_client, out)
+        _write(runs, model, max_tokens, per_client, out)
     return runs
 
 
-def _write(
-    runs: list[Run], lm: LoadedModel | None, max_tokens: int, per_client: int, out: Path
-) -> None:
+@contextmanager
+def _server(serve_args: list[str], setup: Setup, max_queue: int) -> Iterator[str]:
+    """`delspec serve` for `setup` in a process of its own on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "delspec.cli", "serve", *serve_args, "--port", str(port)]
+    command += ["--strategy", setup.strategy, "--max-queue", str(max_queue)]
+    if setup.max_batch is not None:
+        command += ["--max-batch", str(setup.max_batch)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise ConfigError(
+                    f"the server for {setup.label} exited: {process.stderr.read().decode()[-500:]}"
+                )
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the server for {setup.label} did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _write(runs: list[Run], model: str | None, max_tokens: int, per_client: int, out: Path) -> None:
     import torch
 
     from delspec.bench.plots import serve_plot
 
     out.mkdir(parents=True, exist_ok=True)
     environment = {
-        "model": None if lm is None else lm.name,
+        "model": model,
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

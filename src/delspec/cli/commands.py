@@ -179,9 +179,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
     if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    lm = None if args.url else load(args)
+    serve_args = ["--model", str(args.model), "--weights", str(args.weights or "auto")]
+    serve_args += ["--device", args.device] + (
+        ["--threads", str(args.threads)] if args.threads else []
+    )
     run_bench_serve(
-        lm,
+        serve_args,
         setups,
         clients,
         per_client=args.requests_per_client,
