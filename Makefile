@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install install-llama demo test lint
+.PHONY: install install-llama install-ray demo test lint
 
 install:
 	$(PIP) -e ".[dev]"
@@ -27,6 +27,11 @@ install-llama:
 	@$(PYTHON) -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python is installed" || { \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 19 $(PIP) --no-cache-dir --no-deps \
 			"llama-cpp-python>=0.3" && $(PIP) "llama-cpp-python>=0.3"; }
+
+# Ray Serve (the `delspec[ray]` extra, for `delspec serve --replicas N`); CI runs it before
+# `make test`, whose replica tests skip without it.
+install-ray:
+	$(PIP) -e ".[ray]"
 
 demo: install
 	delspec generate --chat --max-new-tokens 96 "$(PROMPT)"

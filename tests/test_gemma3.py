@@ -15,10 +15,10 @@ from tiny_models import tiny_hf_gemma3
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from delspec.architectures import config_from_hf
+from delspec.checkpoint import build_model
 from delspec.errors import ModelFormatError
 from delspec.gguf_conversion import converted_checkpoint
 from delspec.loading import load_model
-from delspec.model import build_model
 from delspec.named_models import NAMED_MODELS, NamedModel, named_model_path
 
 SHAPES = [

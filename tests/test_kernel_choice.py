@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 from delspec import kernel_choice
 from delspec.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.model import Linear
+from delspec.modules import Linear
 
 
 def given_speeds(seconds: dict[str, float]):

@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
 from delspec.kernels.layers import LayerKernels
-from delspec.model import apply_rope, rope_inv_freq, rope_table
+from delspec.modules import apply_rope, rope_inv_freq, rope_table
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
 HEADS, KV_HEADS, DIM, LENGTH = 6, 2, 16, 40

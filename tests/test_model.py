@@ -6,10 +6,11 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import HF_SHAPE, tiny_hf_llama, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from delspec.architectures import config_from_hf
+from delspec.checkpoint import build_model
 from delspec.decode_config import default_int8_draft
 from delspec.engine import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
@@ -20,7 +21,7 @@ from delspec.kernels.products import (
     int8_supported,
     narrow_product,
 )
-from delspec.model import Linear, build_model
+from delspec.modules import Linear
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -42,15 +43,7 @@ SHAPES = [
 @pytest.mark.parametrize("config_cls,model_cls,extra", SHAPES)
 def test_logits_match_transformers(config_cls, model_cls, extra, dtype, tol):
     torch.manual_seed(0)
-    hf_config = config_cls(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        **extra,
-    )
+    hf_config = config_cls(**{**HF_SHAPE, "vocab_size": 101, "num_hidden_layers": 3, **extra})
     reference = model_cls(hf_config).to(dtype).eval()
     ours = build_model(config_from_hf(hf_config.to_dict()), reference.state_dict(), dtype=dtype)
     ids = torch.randint(0, 101, (24,))
@@ -116,18 +109,11 @@ def test_context_errors():
 
 
 def test_shape_mismatch_is_named():
-    torch.manual_seed(0)
-    hf = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-    )
-    state = LlamaForCausalLM(hf).state_dict()
-    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 40)
-    with pytest.raises(ModelFormatError, match=r"layers\.1\.mlp\.down_proj.*\(32, 40\)"):
-        build_model(config_from_hf(hf.to_dict()), state)
+    hf = tiny_hf_llama()
+    state = hf.state_dict()
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 40)
+    with pytest.raises(ModelFormatError, match=r"layers\.1\.mlp\.down_proj.*\(64, 40\)"):
+        build_model(config_from_hf(hf.config.to_dict()), state)
 
 
 def test_unsupported_architecture_is_named():

@@ -165,7 +165,7 @@ def test_bench_serve_measures_a_running_server(smollm2: LoadedModel, tmp_path) -
     assert all(r.tokens_per_s > 0 and 0 < r.first_token_p50_s <= r.first_token_p95_s for r in runs)
     assert all(o["tokens"] == 5 for r in runs for o in r.outcomes)
     table = (tmp_path / "table.md").read_text()
-    assert "| (as served) | 3 |" in table and "tiny" in table
+    assert "| as served (2) | 3 |" in table and "tiny" in table
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert {s.label for s in parse_setups("ar@1, del-fast")} == {"ar@1", "del-fast"}
     with pytest.raises(ConfigError, match="warp"):

@@ -18,8 +18,10 @@ from transformers import (
 )
 
 from delspec.architectures import ModelConfig
+from delspec.checkpoint import build_model
 from delspec.kernels.blocks import BlockWeight
-from delspec.model import Linear, Transformer, build_model
+from delspec.model import Transformer
+from delspec.modules import Linear
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -23,7 +23,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from delspec.architectures import config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
-from delspec.model import rope_inv_freq
+from delspec.modules import rope_inv_freq
 from delspec.weight_formats import TENSOR_INDEX, write_tensor_index
 
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).

@@ -24,7 +24,8 @@ from delspec.cache import cache_dir, write_atomically
 from delspec.costs import PROFILE_MAX_AGE_S
 from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.model import Linear, Transformer
+from delspec.model import Transformer
+from delspec.modules import Linear
 
 CHOICE_VERSION = 1
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group

@@ -20,10 +20,11 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from delspec.architectures import config_from_hf, token_ids
+from delspec.checkpoint import build_model, strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
 from delspec.gguf_conversion import converted_checkpoint
 from delspec.kernel_choice import choose_kernels
-from delspec.model import Transformer, build_model, strip_prefix
+from delspec.model import Transformer
 from delspec.named_models import NAMED_MODELS, default_model_path, named_model_path
 from delspec.weight_formats import (
     TENSOR_INDEX,

@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from delspec.architectures import ModelConfig
+from delspec.checkpoint import FUSED_LINEARS
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library
-from delspec.model import FUSED_LINEARS, WEIGHT_FORMATS
+from delspec.model import WEIGHT_FORMATS
 
 TENSOR_INDEX = "gguf-tensors.json"  # in a converted checkpoint: where each tensor lies in the file
 _Q8_0 = gguf.GGMLQuantizationType.Q8_0

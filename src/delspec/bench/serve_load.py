@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -203,15 +204,17 @@ def run_bench_serve(
     prompts = prompts or task_prompts(max(clients) * per_client)
     runs: list[Run] = []
     model = None
-    for setup in setups if url is None else [Setup("(as served)", None)]:
+    for setup in setups if url is None else [Setup("as served", None)]:
         with _server(serve_args, setup, max(clients)) if url is None else nullcontext(url) as at:
             model = httpx.get(at + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+            batch = httpx.get(at + "/health", timeout=TIMEOUT).json().get("max_batch")
+            label = setup.label if setup.max_batch is not None else f"{setup.label} ({batch})"
             if url is None:
-                measure(at, setup.label, 1, prompts, 1, 8)  # warm-up: profiles, first calls
+                measure(at, label, 1, prompts, 1, 8)  # warm-up: profiles, first calls
             for count in clients:
-                run = measure(at, setup.label, count, prompts, per_client, max_tokens)
+                run = measure(at, label, count, prompts, per_client, max_tokens)
                 print(
-                    f"{setup.label:14s} C={count:<3d} {run.tokens_per_s:8.1f} tok/s  "
+                    f"{label:18s} C={count:<3d} {run.tokens_per_s:8.1f} tok/s  "
                     f"TTFT p95 {run.first_token_p95_s:6.2f} s  errors {run.errors}",
                     flush=True,
                 )
@@ -231,30 +234,37 @@ def _server(serve_args: list[str], setup: Setup, max_queue: int) -> Iterator[str
     command += ["--strategy", setup.strategy, "--max-queue", str(max_queue)]
     if setup.max_batch is not None:
         command += ["--max-batch", str(setup.max_batch)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise ConfigError(
-                    f"the server for {setup.label} exited: {process.stderr.read().decode()[-500:]}"
-                )
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ConfigError(f"the server for {setup.label} did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            _wait_for(url, process, log, setup.label)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _wait_for(url: str, process: subprocess.Popen, log: Any, label: str) -> None:
+    """Until the server answers /health; `ConfigError` (with its last words) if it exits or
+    takes too long."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            said = log.read().decode(errors="replace")[-500:]
+            raise ConfigError(f"the server for {label} exited: {said}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the server for {label} did not start")
+        time.sleep(0.2)
 
 
 def _write(runs: list[Run], model: str | None, max_tokens: int, per_client: int, out: Path) -> None:
@@ -296,7 +306,8 @@ def _write(runs: list[Run], model: str | None, max_tokens: int, per_client: int,
     ]
     lines += [
         "",
-        "setup: strategy@batch size (no @: the batch size the server measured at start). "
+        "setup: strategy@batch size (no @: the batch size the server measured at start, in "
+        "brackets). "
         "tok/s: generated tokens of all requests over the wall time; TTFT: from sending a "
         "request to its first text; per token: after that, per further token.",
     ]

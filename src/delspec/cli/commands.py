@@ -127,6 +127,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.add_argument(
+        "--replicas",
+        type=int,
+        help="copies of the server behind one API, each a process with its own model and "
+        "--threads (default: the cores shared out), through Ray Serve (delspec[ray])",
+    )
+    srv.add_argument(
+        "--ray-address", help="with --replicas: join this Ray cluster (default: start one here)"
+    )
     srv.set_defaults(func=cmd_serve)
 
 
@@ -134,18 +143,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from delspec.server import serve
 
     config = decode_config(args)
-    lm = load(args)
-    serve(
-        lm,
-        host=args.host,
-        port=args.port,
-        config=config,
-        max_queue=args.max_queue,
-        max_batch=args.max_batch,
-        context=args.context,
-        request_timeout=args.timeout,
-        model_name=args.served_model_name,
-        aliases=(lm.name, str(args.model)),
+    lm = load(args)  # here too with --replicas: a bad model or option fails before Ray starts
+    options = {
+        "config": config,
+        "max_queue": args.max_queue,
+        "max_batch": args.max_batch,
+        "context": args.context,
+        "request_timeout": args.timeout,
+        "model_name": args.served_model_name,
+    }
+    if args.replicas is None:
+        serve(lm, host=args.host, port=args.port, aliases=(lm.name, str(args.model)), **options)
+        return 0
+    from delspec.server.app import check_options
+    from delspec.server.replicas import ReplicaSpec, default_threads, serve_replicas
+
+    check_options(lm, config, args.max_queue, args.max_batch, args.context, args.timeout, None)
+    del lm
+    spec = ReplicaSpec(
+        str(args.model),
+        args.device,
+        args.dtype,
+        args.weights,
+        args.threads or default_threads(args.replicas),
+        options,
+    )
+    serve_replicas(
+        spec, args.replicas, host=args.host, port=args.port, ray_address=args.ray_address
     )
     return 0
 

@@ -18,8 +18,8 @@ from delspec.kernels.blocks import TILE
 from delspec.kernels.build import library
 
 if TYPE_CHECKING:
-    from delspec.model import Linear as LinearModule
     from delspec.model import Transformer
+    from delspec.modules import Linear as LinearModule
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 3

@@ -8,6 +8,7 @@ timeout answers 504 (streams get an error event instead); a client that goes awa
 or a shutdown stops its generation at the next round. Every error is an OpenAI error object.
 """
 
-from delspec.server.app import create_app, serve, serving
+from delspec.server.app import create_app
+from delspec.server.runner import serve, serving
 
 __all__ = ["create_app", "serve", "serving"]

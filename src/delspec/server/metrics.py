@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -159,3 +160,45 @@ class RequestCounter:
         finally:
             endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
             self.metrics.count_request(endpoint, status)
+
+
+# gauges of a single generation or a yes/no state: a mean or a maximum over replicas, not a sum
+_MERGED_BY: dict[str, Callable[[list[float]], float]] = {
+    "delspec_tokens_per_second": statistics.fmean,
+    "delspec_acceptance_rate": statistics.fmean,
+    "delspec_busy": max,
+}
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """The Prometheus texts of several replicas as one: every sample (counters, histogram
+    buckets, queue depth, active) summed over replicas, except the last generation's speed and
+    acceptance (mean) and `busy` (max); `delspec_replicas` says how many were merged."""
+    families: dict[str, list[str]] = {}  # metric name -> its comment lines and sample keys
+    values: dict[str, list[float]] = {}
+    for text in [f"delspec_replicas {len(texts)}", *texts]:
+        for line in filter(None, text.splitlines()):
+            if line.startswith("#"):
+                family = families.setdefault(line.split()[2], [])
+                if line not in family:
+                    family.append(line)
+                continue
+            key, value = line.rsplit(" ", 1)
+            if key not in values:
+                values[key] = []
+                families.setdefault(_family(key, families), []).append(key)
+            values[key].append(float(value))
+    merged = _metric("delspec_replicas", "gauge", "Server replicas these metrics cover.")
+    for line in (line for family in families.values() for line in family):
+        if line in values:
+            total = _MERGED_BY.get(line.split("{")[0], sum)(values[line])
+            line = f"{line} {int(total) if total.is_integer() else total}"
+        merged.append(line)
+    return "\n".join(merged) + "\n"
+
+
+def _family(key: str, families: dict[str, list[str]]) -> str:
+    """The metric a sample belongs to: its name, less a histogram's _bucket/_sum/_count."""
+    name = key.split("{")[0]
+    base = name.rsplit("_", 1)[0]
+    return base if base in families and name.endswith(("_bucket", "_sum", "_count")) else name

@@ -1,0 +1,114 @@
+"""Weights named as in Hugging Face checkpoints, into a `Transformer`: which checkpoint
+weights each fused linear layer is made of, loading them with every shape checked, and
+`build_model`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from delspec.architectures import ModelConfig
+from delspec.errors import ModelFormatError
+from delspec.kernels.blocks import BlockWeight
+from delspec.model import Transformer
+from delspec.modules import RMSNorm
+
+# The Hugging Face weights that each fused linear layer of a block is made of, in row order.
+FUSED_LINEARS = {
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+}
+
+
+def strip_prefix(name: str) -> str:
+    """A Hugging Face weight name without its model prefix (`model.`, ...)."""
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, Tensor] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    blocks: dict[str, BlockWeight] | None = None,
+    weights: str = "float",
+) -> Transformer:
+    """Create a `Transformer` (random init when `state` is None) in eval mode on `device`, with
+    the weights in `blocks` held as blocks (see `Transformer.use_blocks`) in format `weights`."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    if blocks:
+        model.use_blocks(blocks, weights)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_embeddings and model.embed_blocks is None:
+        model.lm_head.weight = model.embedding.weight
+    if state is None:
+        model.apply(_init_random)
+    else:
+        load_hf_state_dict(model, state)
+    return model.eval().requires_grad_(False)
+
+
+def _init_random(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear | nn.Embedding) and module.weight is not None:
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.normal_(module.bias, std=0.02)
+    elif isinstance(module, RMSNorm):
+        nn.init.constant_(module.weight, 1.0 - module.offset)
+
+
+@torch.no_grad()
+def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
+    """Load weights named as in a Hugging Face checkpoint into `model`, checking every shape.
+    Weights held as blocks (`Transformer.use_blocks`) are neither read nor needed."""
+    cfg, spec = model.config, model.config.spec
+    state = {strip_prefix(k): v for k, v in state.items()}
+
+    def put(param: Tensor | None, names: tuple[str, ...], label: str) -> None:
+        if param is None:  # held as blocks
+            return
+        missing = [name for name in names if name not in state]
+        if missing:
+            raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
+        value = torch.cat([state[name] for name in names])
+        if tuple(param.shape) != tuple(value.shape):
+            raise ModelFormatError(
+                f"weight {label!r} has shape {tuple(value.shape)}, "
+                f"but the config implies {tuple(param.shape)}"
+            )
+        param.copy_(value.to(param.dtype))
+
+    def load(param: Tensor | None, name: str) -> None:
+        put(param, (name,), name)
+
+    load(model.embedding.weight, "embed_tokens.weight")
+    load(model.norm.weight, "norm.weight")
+    if not cfg.tie_embeddings:
+        load(model.lm_head.weight, "lm_head.weight")
+    mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
+    for i, block in enumerate(model.layers):
+        p = f"layers.{i}."
+        for module, parts in FUSED_LINEARS.items():
+            linear = block.get_submodule(module)
+            fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
+            label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"
+            put(linear.weight, tuple(f"{p}{x}.weight" for x in parts), label)
+        if spec.qkv_bias:
+            names = tuple(f"{p}self_attn.{x}_proj.bias" for x in "qkv")
+            put(block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias")
+        if spec.qk_norm:
+            load(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
+            load(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
+        load(block.attn_norm.weight, p + "input_layernorm.weight")
+        load(block.mlp_norm.weight, p + mlp_norm + ".weight")
+        if spec.sandwich_norm:
+            load(block.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+            load(block.post_mlp_norm.weight, p + "post_feedforward_layernorm.weight")

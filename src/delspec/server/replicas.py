@@ -1,0 +1,139 @@
+"""Scale-out: N copies of the server behind one OpenAI API through Ray Serve (`delspec[ray]`).
+
+Each replica is a Ray actor process holding its own model, thread budget and batching worker
+(the app of `create_app`); Ray's HTTP proxy spreads requests over them. `/metrics` on any
+replica answers for all of them (`merge_metrics`). On one machine Ray starts a local cluster;
+`ray_address` joins a running one (`ray start --head` on one node, `ray start --address
+HEAD:6379` on the others, delspec installed on every node).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from delspec.errors import ConfigError
+from delspec.server.metrics import merge_metrics
+
+INSTALL_HINT = "serving replicas needs Ray Serve: pip install 'delspec[ray]'"
+APP_NAME = "delspec"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What each replica loads (`load_model`'s arguments) and serves with (`create_app`'s)."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    weights: str | None = None
+    threads: int = 1
+    app_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Replica:
+    """One server process: its model, threads and app; Ray Serve routes HTTP to the app."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+
+        from delspec.loading import load_model
+        from delspec.server.app import create_app
+
+        torch.set_num_threads(spec.threads)
+        lm = load_model(spec.model, device=spec.device, dtype=spec.dtype, weights=spec.weights)
+        options = {"aliases": (lm.name, spec.model), **spec.app_options}
+        self.server = create_app(lm, **options)
+        self.server.state.gather_metrics = self.all_metrics
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.server
+
+    def local_metrics(self) -> str:
+        """This replica's metrics (Prometheus text)."""
+        return self.server.state.local_metrics()
+
+    async def all_metrics(self) -> str:
+        """Every replica's metrics, merged."""
+        from ray import serve
+
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return merge_metrics(await handle.broadcast("local_metrics").results_async())
+
+
+def _ray() -> tuple[Any, Any]:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ConfigError(INSTALL_HINT) from None
+    return ray, serve
+
+
+@contextmanager
+def replicas_serving(
+    spec: ReplicaSpec,
+    replicas: int,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    ray_address: str | None = None,
+) -> Iterator[str]:
+    """Runs `replicas` copies of the server on Ray Serve at `host`:`port` (default: a free
+    port) and yields its base URL; shuts Serve down (and the Ray it started) on exit."""
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    ray, serve = _ray()
+    port = port or _free_port(host)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        ongoing = spec.app_options.get("max_queue", 16) + (spec.app_options.get("max_batch") or 64)
+        deployment = serve.deployment(
+            name="Replica",
+            num_replicas=replicas,
+            ray_actor_options={"num_cpus": spec.threads},
+            max_ongoing_requests=ongoing,
+        )(serve.ingress()(Replica))
+        try:
+            serve.run(deployment.bind(spec), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"the replicas did not start ({exc}); their logs: "
+                "/tmp/ray/session_latest/logs/serve/"
+            ) from None
+        yield f"http://{host}:{port}"
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def serve_replicas(spec: ReplicaSpec, replicas: int, **where: Any) -> None:
+    """Serve `replicas` copies until interrupted; `where`: `replicas_serving`'s host, port,
+    ray_address."""
+    with replicas_serving(spec, replicas, **where) as url:
+        print(f"delspec: {replicas} replicas serving at {url} (Ctrl-C stops)", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+def default_threads(replicas: int) -> int:
+    """Threads per replica when not given: this machine's cores shared out."""
+    return max(1, (os.cpu_count() or 1) // replicas)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

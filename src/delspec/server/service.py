@@ -1,0 +1,269 @@
+"""Request handling behind the routes: validate, queue, wait for the worker, reply."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from delspec.decode_config import DecodeConfig
+from delspec.errors import ConfigError
+from delspec.generate import encode_prompt
+from delspec.policies import make_policy
+from delspec.sampling import Sampling
+from delspec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Reply,
+    as_api_error,
+    sse,
+)
+from delspec.server.worker import Job, QueueFull, Worker
+
+if TYPE_CHECKING:
+    from delspec.loading import LoadedModel
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+class Service:
+    """The request handling behind the routes: validation, queueing, waiting, replying."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        config: DecodeConfig,
+        worker: Worker,
+        names: tuple[str, ...],
+        request_timeout: float,
+        queue_timeout: float,
+    ) -> None:
+        self.lm, self.config, self.worker = lm, config, worker
+        self.name, self.names = names[0], names
+        self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
+        self.context = worker.context  # positions a request may use: prompt and reply
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        self._check_common(body)
+        messages = [m.model_dump() for m in body.messages]
+        prompt_ids = encode_prompt(self.lm, messages)
+        self._check_prompt(prompt_ids, "messages")
+        limit = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._complete(request, body, prompt_ids, limit, param, top, chat=True)
+
+    async def completion(self, request: Request, body: CompletionRequest) -> Response:
+        self._check_common(body)
+        try:
+            prompt_ids = encode_prompt(self.lm, body.prompt)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        self._check_prompt(prompt_ids, "prompt")
+        limit = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        top = body.logprobs
+        return await self._complete(request, body, prompt_ids, limit, "max_tokens", top, chat=False)
+
+    def _check_common(self, body: GenerationRequest) -> None:
+        if body.model is not None and body.model not in self.names:
+            known = "', '".join(self.names)
+            raise APIError(
+                404,
+                f"the model '{body.model}' does not exist; this server serves '{known}'",
+                param="model",
+                code="model_not_found",
+            )
+        if body.n != 1:
+            raise APIError(
+                400,
+                f"n={body.n} is not supported: this server returns one choice (n=1)",
+                param="n",
+            )
+
+    def _decode_config(self, body: GenerationRequest) -> DecodeConfig:
+        """The server's config updated with the request's `delspec` options. Adapters files
+        are the server's to choose (`delspec serve --adapters`): a request may ask for "auto"
+        or "none" only."""
+        options = body.delspec or {}
+        if options.get("adapters", "auto") not in ("auto", "none", None):
+            raise APIError(
+                400,
+                "delspec.adapters may be 'auto' or 'none'; adapters files are chosen when the "
+                "server starts (delspec serve --adapters)",
+                param="delspec.adapters",
+            )
+        try:
+            config = self.config.updated(**options)
+            make_policy(config, self.lm.model.num_layers)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="delspec") from exc
+        return config
+
+    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        if not prompt_ids:
+            raise APIError(400, f"the {param} is empty", param=param)
+        if len(prompt_ids) >= self.context:
+            raise APIError(
+                400,
+                f"the {param} has {len(prompt_ids)} tokens but the context is {self.context} "
+                "tokens (for a request's prompt and reply: the model's, or serve --context)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def _complete(
+        self,
+        request: Request,
+        body: GenerationRequest,
+        prompt_ids: list[int],
+        limit: int | None,
+        limit_param: str,
+        logprobs: int | None,
+        chat: bool,
+    ) -> Response:
+        job = self._submit(body, prompt_ids, limit, limit_param, logprobs)
+        reply = Reply(chat, self.name, len(prompt_ids), self.lm.tokenizer)
+        streaming = False
+        try:
+            await self._started(job, request)
+            if body.stream:
+                streaming = True
+                return StreamingResponse(
+                    self._stream(job, reply),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            kind, value = await self._next_event(job, request)  # "done" or "error"
+            if kind == "error":
+                raise as_api_error(value)
+            if job.timed_out:
+                raise self._timeout_error()
+            return JSONResponse(reply.response(value))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                self.worker.withdraw(job)
+
+    def _submit(
+        self,
+        body: GenerationRequest,
+        prompt_ids: list[int],
+        limit: int | None,
+        limit_param: str,
+        logprobs: int | None,
+    ) -> Job:
+        """Queue the generation `body` asks for (at most `limit` new tokens, which request
+        field `limit_param` set; `logprobs` top tokens per token, or None); 429 when the queue
+        is full."""
+        if limit is not None and len(prompt_ids) + limit > self.context:
+            raise APIError(
+                400,
+                f"{limit_param}={limit} after a prompt of {len(prompt_ids)} tokens is more than "
+                f"the {self.context} positions a request may use (delspec serve --context)",
+                param=limit_param,
+                code="context_length_exceeded",
+            )
+        config = self._decode_config(body)
+        sampling = Sampling(
+            1.0 if body.temperature is None else body.temperature,
+            body.top_k or 0,
+            1.0 if body.top_p is None else body.top_p,
+            body.seed,
+        )
+        options = {
+            "sampling": sampling,
+            "max_new_tokens": limit or self.context - len(prompt_ids),
+            "stop": body.stop,
+            "logprobs": logprobs,
+        }
+        deadline = time.monotonic() + self.request_timeout
+        loop = asyncio.get_running_loop()
+        job = Job(prompt_ids, config, options, body.stream, deadline, loop)
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(
+                429,
+                f"the server is busy: its queue of {self.worker.max_queue} waiting requests "
+                f"is full (it generates for {self.worker.max_batch} at a time); retry later",
+                code="queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            ) from None
+        return job
+
+    async def _started(self, job: Job, request: Request) -> None:
+        """Waits for the worker to start `job`; 503 when it waited too long in the queue."""
+        limit = min(self.queue_timeout, job.deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._next_event(job, request), limit)  # the "start" event
+        except TimeoutError:
+            raise APIError(
+                503,
+                f"the request waited {limit:g} s in the queue without reaching the model (it "
+                f"generates for {self.worker.max_batch} at a time); retry later",
+                code="queue_timeout",
+                kind="server_error",
+            ) from None
+
+    async def _next_event(self, job: Job, request: Request) -> tuple[str, Any]:
+        """The job's next event; raises `_ClientGone` if the client disconnects meanwhile.
+
+        Only for the quiet stretches of a job (queued, or generating without streaming): each
+        `_POLL_S` without an event checks the connection.
+        """
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), _POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone from None
+
+    async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[str]:
+        """Server-sent events: chunks, then `[DONE]`; an error event ends a failed stream.
+
+        Starlette cancels this generator when the client disconnects; that stops the job.
+        """
+        try:
+            if reply.chat:
+                yield sse(reply.opening())
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield sse(reply.piece(value))
+                elif kind == "error":
+                    yield sse(as_api_error(value).body())
+                    return
+                elif job.timed_out:  # "done", but cut short
+                    yield sse(self._timeout_error().body())
+                    return
+                else:  # "done"
+                    yield sse(reply.closing(value))
+                    yield sse("[DONE]")
+                    return
+        finally:
+            self.worker.withdraw(job)
+
+    def _timeout_error(self) -> APIError:
+        return APIError(
+            504,
+            f"the generation did not finish within the request timeout of "
+            f"{self.request_timeout:g} s and was stopped; ask for fewer tokens or raise the "
+            "timeout",
+            code="timeout",
+            kind="server_error",
+        )

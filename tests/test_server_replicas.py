@@ -1,0 +1,82 @@
+"""Scale-out on Ray Serve: two replicas of the server (a process, a model and one thread each)
+behind one API answer exactly as the model does alone, and /metrics covers both."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_server import CHAT, TEXT, TIMEOUT, answer
+
+from delspec.errors import ConfigError
+from delspec.generate import generate
+from delspec.loading import LoadedModel
+from delspec.server.metrics import merge_metrics
+from delspec.server.replicas import ReplicaSpec, replicas_serving
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3,"]
+
+
+def samples(metrics: str) -> dict[str, float]:
+    return {
+        key: float(value)
+        for key, value in (line.rsplit(" ", 1) for line in metrics.splitlines() if line[0] != "#")
+    }
+
+
+def test_two_replicas_answer_as_the_model_and_metrics_cover_both(smollm2: LoadedModel) -> None:
+    pytest.importorskip("ray.serve", reason="Ray Serve is the delspec[ray] extra")
+    from ray import serve
+
+    requests = [
+        (TEXT, {"prompt": p, "max_tokens": 8, "temperature": 0, "stream": i % 2 == 0})
+        for i, p in enumerate(PROMPTS)
+    ]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+    requests.append((CHAT, chat))
+    spec = ReplicaSpec("default", threads=1, app_options={"max_batch": 2, "max_queue": 8})
+    with replicas_serving(spec, 2) as url, ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(lambda r: answer(url, *r)[0], requests))
+        named = httpx.post(
+            url + TEXT, json={"model": "default", "prompt": "Hi", "max_tokens": 1}, timeout=TIMEOUT
+        )
+        merged = [samples(httpx.get(url + "/metrics", timeout=TIMEOUT).text) for _ in range(4)]
+        handle = serve.get_deployment_handle("Replica", "delspec")
+        parts = handle.broadcast("local_metrics").results()
+    expected = [
+        generate(smollm2, b.get("prompt") or b["messages"], strategy="ar", max_new_tokens=8).text
+        for _, b in requests
+    ]
+    assert got == expected
+    assert named.status_code == 200  # the model named as it was started
+    assert len(parts) == 2
+    texts = sum(path == TEXT for path, _ in requests) + 1  # and the one naming the model
+    served = 'delspec_requests_total{endpoint="/v1/completions",status="200"}'
+    # whichever replica answers /metrics, it counts the requests of both
+    for metrics in merged:
+        assert metrics["delspec_replicas"] == 2
+        assert metrics[served] == texts
+        assert metrics["delspec_time_to_first_token_seconds_count"] >= len(requests)
+    assert sum(samples(part).get(served, 0) for part in parts) == texts
+
+
+def test_merged_metrics_sum_counts_and_average_last_speeds() -> None:
+    one = '# TYPE delspec_busy gauge\ndelspec_busy 1\ndelspec_tokens_per_second 10\nx{a="1"} 2\n'
+    two = '# TYPE delspec_busy gauge\ndelspec_busy 0\ndelspec_tokens_per_second 30\nx{a="1"} 5\n'
+    merged = merge_metrics([one, two])
+    assert samples(merged) == {
+        "delspec_replicas": 2,
+        "delspec_busy": 1,
+        "delspec_tokens_per_second": 20,
+        'x{a="1"}': 7,
+    }
+    assert merged.count("# TYPE delspec_busy gauge") == 1
+
+
+def test_replicas_without_ray_say_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    refused = pytest.raises(ConfigError, match=r"pip install 'delspec\[ray\]'")
+    with refused, replicas_serving(ReplicaSpec("default"), 2):
+        pass
