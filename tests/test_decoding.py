@@ -8,7 +8,13 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.decoding import Decoding, decode_tokens, start_together, step_together
+from delspec.decoding import (
+    Decoding,
+    decode_tokens,
+    paying_batch,
+    start_together,
+    step_together,
+)
 from delspec.policies import make_policy
 from delspec.sampling import Sampling
 
@@ -117,3 +123,12 @@ def test_log_probabilities_are_the_verifiers_under_every_strategy():
         assert results[strategy].token_ids == reference.token_ids
         assert results[strategy].logprobs == reference.logprobs, strategy
     assert results["static"].stats.drafted > 0  # the comparison covered verified drafts
+
+
+def test_the_paying_batch_doubles_while_a_step_of_twice_the_rows_gains_enough() -> None:
+    # tokens per second: 1 row 200, 2 rows 333, 4 rows 444, 8 rows 470 (+6%), 16 rows 480 (+2%)
+    seconds = {1: 0.005, 2: 0.006, 4: 0.009, 8: 0.017, 16: 0.0333}
+    assert paying_batch(seconds) == 8
+    assert paying_batch({**seconds, 8: 0.0175}) == 4  # 457 tokens/s: +3%, not worth it
+    assert paying_batch({1: 0.005, 2: 0.0098}) == 1
+    assert paying_batch({1: 0.005}) == 1

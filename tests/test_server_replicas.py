@@ -10,6 +10,7 @@ import httpx
 import pytest
 from test_server import CHAT, TEXT, TIMEOUT, answer
 
+from delspec.cli import main
 from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
@@ -80,3 +81,15 @@ def test_replicas_without_ray_say_how_to_install_it(monkeypatch: pytest.MonkeyPa
     refused = pytest.raises(ConfigError, match=r"pip install 'delspec\[ray\]'")
     with refused, replicas_serving(ReplicaSpec("default"), 2):
         pass
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--replicas", "2", "--model", "/no/such.gguf"], "does not exist"),  # before Ray starts
+    ],
+)
+def test_bad_replica_settings_are_refused_in_one_line(flags, message, capsys) -> None:
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError
-from delspec.kernel_choice import median_seconds
 from delspec.model import Transformer
 from delspec.policies import Policy
 from delspec.sampling import Sampling, draw
@@ -234,24 +233,41 @@ def step_together(decodings: Sequence[Decoding]) -> list[list[int]]:
 
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-BATCH_GAIN = 1.1  # a batch size pays when it gives this much more throughput than half of it
+# A batch size pays when it gives this much more throughput than half of it: any real gain
+# (more rows also let more requests start at once), beyond the noise of the timing.
+BATCH_GAIN = 1.05
 
 
-def measured_max_batch(model: Transformer, position: int = 128, repeats: int = 5) -> int:
-    """How many sequences a batched step should take on this machine: doubling from 1 while a
-    step of twice as many rows (at `position` tokens of context) still gives `BATCH_GAIN` more
-    tokens per second. (Without compiled layers, rows are computed one by one: 1.)"""
+def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8) -> int:
+    """How many sequences a batched step should take on this machine (`paying_batch` of each
+    size's step time at `position` tokens of context: the fastest of `rounds` runs, the sizes
+    taking turns so that a busy moment of the machine does not fall on one of them). Without
+    compiled layers, rows are computed one by one: 1."""
     if model.device.type != "cpu":
         return 1
-    best, throughput = 1, 0.0
     with model.scratch_cache(position + 1, BATCH_SIZES[-1]), torch.inference_mode():
         if model.compiled_layers() is None:
             return 1
-        for size in BATCH_SIZES:
-            rate = size / median_seconds("batch", _batched_step(model, size, position), repeats)
-            if size > 1 and rate < BATCH_GAIN * throughput:
-                break
-            best, throughput = size, rate
+        steps = {size: _batched_step(model, size, position) for size in BATCH_SIZES}
+        seconds = dict.fromkeys(BATCH_SIZES, float("inf"))
+        for step in steps.values():
+            step()  # first calls: buffers grown, cache pages touched
+        for _ in range(rounds):
+            for size, step in steps.items():
+                start = time.perf_counter()
+                step()
+                seconds[size] = min(seconds[size], time.perf_counter() - start)
+    return paying_batch(seconds)
+
+
+def paying_batch(seconds: dict[int, float]) -> int:
+    """The batch size reached by doubling from 1 while a step of twice as many rows still gives
+    `BATCH_GAIN` more tokens per second; `seconds`: the time of a step of each size."""
+    best = 1
+    for size in sorted(seconds):
+        if size > best and size / seconds[size] < BATCH_GAIN * best / seconds[best]:
+            break
+        best = size
     return best
 
 

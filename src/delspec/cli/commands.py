@@ -142,6 +142,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from delspec.server import serve
 
+    if args.replicas is not None and args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     config = decode_config(args)
     lm = load(args)  # here too with --replicas: a bad model or option fails before Ray starts
     options = {

@@ -10,7 +10,9 @@ HEAD:6379` on the others, delspec installed on every node).
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -120,6 +122,7 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, **where: Any) -> None:
     """Serve `replicas` copies until interrupted; `where`: `replicas_serving`'s host, port,
     ray_address."""
     with replicas_serving(spec, replicas, **where) as url:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stops as Ctrl-C does: Ray too
         print(f"delspec: {replicas} replicas serving at {url} (Ctrl-C stops)", flush=True)
         try:
             while True:
