@@ -93,3 +93,9 @@ def test_replicas_without_ray_say_how_to_install_it(monkeypatch: pytest.MonkeyPa
 def test_bad_replica_settings_are_refused_in_one_line(flags, message, capsys) -> None:
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_ray_cluster_is_refused_at_once(capsys) -> None:
+    pytest.importorskip("ray.serve", reason="Ray Serve is the delspec[ray] extra")
+    assert main(["serve", "--replicas", "1", "--ray-address", "127.0.0.1:1"]) == 2
+    assert "no Ray cluster answers at 127.0.0.1:1" in capsys.readouterr().err

@@ -87,14 +87,20 @@ def replicas_serving(
     ray_address: str | None = None,
 ) -> Iterator[str]:
     """Runs `replicas` copies of the server on Ray Serve at `host`:`port` (default: a free
-    port) and yields its base URL; shuts Serve down (and the Ray it started) on exit."""
+    port) and yields its base URL. On exit, stops the Ray it started, or on a Ray that was
+    running already (`ray_address`, or `ray.init` done by the caller) deletes its application."""
     if replicas < 1:
         raise ConfigError(f"replicas must be >= 1, got {replicas}")
     ray, serve = _ray()
     port = port or _free_port(host)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        _check_reachable(ray_address)
+        try:
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            where = f"join the Ray cluster at {ray_address}" if ray_address else "start Ray"
+            raise ConfigError(f"could not {where}: {exc}") from None
     try:
         serve.start(http_options={"host": host, "port": port})
         ongoing = spec.app_options.get("max_queue", 16) + (spec.app_options.get("max_batch") or 64)
@@ -113,9 +119,11 @@ def replicas_serving(
             ) from None
         yield f"http://{host}:{port}"
     finally:
-        serve.shutdown()
         if started_ray:
+            serve.shutdown()
             ray.shutdown()
+        else:  # a cluster others may use: only this application goes
+            serve.delete(APP_NAME)
 
 
 def serve_replicas(spec: ReplicaSpec, replicas: int, **where: Any) -> None:
@@ -134,6 +142,18 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, **where: Any) -> None:
 def default_threads(replicas: int) -> int:
     """Threads per replica when not given: this machine's cores shared out."""
     return max(1, (os.cpu_count() or 1) // replicas)
+
+
+def _check_reachable(ray_address: str | None) -> None:
+    """`ConfigError` at once if `ray_address` is HOST:PORT and nothing listens there (Ray itself
+    would retry for minutes)."""
+    host, _, port = (ray_address or "").removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # None (a local Ray), "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(f"no Ray cluster answers at {ray_address}: {exc}") from None
 
 
 def _free_port(host: str) -> int:
