@@ -12,26 +12,20 @@ parts: Python, the engine's own work, and (eager path) the residuals.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from delspec import load_model
-from delspec.kernel_choice import median_seconds
 from delspec.kernels.build import cpu_name
 from delspec.kernels.layers import STEPS
-
-
-def seconds(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `run()` (the kernel chooser's timer)."""
-    return median_seconds("part", run, repeats)
+from delspec.timing import median_seconds
 
 
 def step_seconds(model, ids: torch.Tensor, position: int, repeats: int) -> float:
     """Median seconds of a whole step: embedding, every layer, final norm and LM head."""
     layers = model.num_layers
-    return seconds(
+    return median_seconds(
         lambda: model.head(model.run_layers(model.embed(ids), position, 0, layers)), repeats
     )
 
@@ -48,9 +42,9 @@ def compiled_profile(model, rows: int, position: int, repeats: int) -> dict[str,
     totals.zero_()
     for _ in range(repeats):
         run()
-    times = {"embedding lookup": seconds(lambda: model.embed(ids), repeats) * 1e3}
+    times = {"embedding lookup": median_seconds(lambda: model.embed(ids), repeats) * 1e3}
     times.update({name: float(t) / repeats * 1e3 for name, t in zip(STEPS, totals, strict=True)})
-    times["LM head (final norm + head)"] = seconds(lambda: model.head(x), repeats) * 1e3
+    times["LM head (final norm + head)"] = median_seconds(lambda: model.head(x), repeats) * 1e3
     return times
 
 
@@ -79,7 +73,7 @@ def eager_profile(model, rows: int, position: int, repeats: int) -> dict[str, fl
         "down projection": lambda: [b.mlp.down(mlp_in) for b in layers],
         "LM head (final norm + head)": lambda: model.head(x),
     }
-    times = {name: seconds(run, repeats) * 1e3 for name, run in parts.items()}
+    times = {name: median_seconds(run, repeats) * 1e3 for name, run in parts.items()}
     # the attention module ran both its projections too: count them once
     times["attention (RoPE, cache, scores)"] -= (
         times["q/k/v projection"] + times["output projection"]

@@ -20,7 +20,7 @@ from torch import Tensor
 from delspec.cache import write_atomically
 from delspec.engine import ExitHead
 from delspec.kernels.build import build_key, cpu_name
-from delspec.timing import synchronize
+from delspec.timing import median_seconds
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 PROFILE_VERSION = 8
@@ -117,19 +117,6 @@ def profile_key(exit_head: ExitHead) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn` over `repeats` runs, after one untimed run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_profile(
     exit_head: ExitHead,
     exit_layer: int,
@@ -151,7 +138,7 @@ def measure_profile(
         states = model.embed(ids[context:])
 
         def seconds(fn: Callable[[], object]) -> float:
-            return _seconds(fn, model.device, repeats)
+            return median_seconds(fn, repeats, model.device)
 
         layers, heads = [], []
         for k in range(1, max_tokens + 1):
@@ -179,7 +166,7 @@ def measure_draft_heads(exit_head: ExitHead, exit_layer: int, repeats: int = 5) 
     with torch.inference_mode():
         one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
         return [
-            _seconds(lambda v=v: exit_head(one, exit_layer, v), model.device, repeats)
+            median_seconds(lambda v=v: exit_head(one, exit_layer, v), repeats, model.device)
             for v in range(len(exit_head.vocabs))
         ]
 

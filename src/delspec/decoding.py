@@ -22,7 +22,7 @@ from delspec.errors import ConfigError, ContextLengthError
 from delspec.model import Transformer
 from delspec.policies import Policy
 from delspec.sampling import Sampling, draw
-from delspec.timing import synchronize
+from delspec.timing import fastest_seconds, synchronize
 
 OnRound = Callable[[list[int], int], bool]
 # per generated token: (its log-probability, the most likely tokens' (id, log-probability))
@@ -249,14 +249,7 @@ def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8)
         if model.compiled_layers() is None:
             return 1
         steps = {size: _batched_step(model, size, position) for size in BATCH_SIZES}
-        seconds = dict.fromkeys(BATCH_SIZES, float("inf"))
-        for step in steps.values():
-            step()  # first calls: buffers grown, cache pages touched
-        for _ in range(rounds):
-            for size, step in steps.items():
-                start = time.perf_counter()
-                step()
-                seconds[size] = min(seconds[size], time.perf_counter() - start)
+        seconds = fastest_seconds(steps, rounds)
     return paying_batch(seconds)
 
 

@@ -26,6 +26,7 @@ from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.model import Transformer
 from delspec.modules import Linear
+from delspec.timing import median_seconds
 
 CHOICE_VERSION = 1
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
@@ -38,15 +39,9 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=times.__getitem__)
 
 
-def median_seconds(name: str, run: Callable[[], object], repeats: int = 3) -> float:
-    """Median wall time of `run()` over `repeats` runs after one untimed run."""
-    run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+def _timed(name: str, run: Callable[[], object]) -> float:
+    """The default `Timer`: the median of three runs."""
+    return median_seconds(run)
 
 
 def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
@@ -59,7 +54,7 @@ def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
     return dict(groups)
 
 
-def measure_choices(model: Transformer, timer: Timer = median_seconds) -> dict[str, dict[int, str]]:
+def measure_choices(model: Transformer, timer: Timer = _timed) -> dict[str, dict[int, str]]:
     """Per layer group (`layer_groups`) and row bucket, the fastest candidate kernel."""
     choices: dict[str, dict[int, str]] = {}
     with torch.inference_mode():

@@ -146,21 +146,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     config = decode_config(args)
     lm = load(args)  # here too with --replicas: a bad model or option fails before Ray starts
-    options = {
+    settings = {
         "config": config,
         "max_queue": args.max_queue,
         "max_batch": args.max_batch,
         "context": args.context,
         "request_timeout": args.timeout,
-        "model_name": args.served_model_name,
     }
+    options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:
         serve(lm, host=args.host, port=args.port, aliases=(lm.name, str(args.model)), **options)
         return 0
     from delspec.server.app import check_options
     from delspec.server.replicas import ReplicaSpec, default_threads, serve_replicas
 
-    check_options(lm, config, args.max_queue, args.max_batch, args.context, args.timeout, None)
+    check_options(lm, queue_timeout=None, **settings)
     del lm
     spec = ReplicaSpec(
         str(args.model),

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from delspec.loading import LoadedModel
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+DEFAULT_MAX_QUEUE = 16  # requests that may wait for a slot unless max_queue says
 DEFAULT_CONTEXT = 4096  # positions per request (and cache slot) unless --context says
 
 
@@ -41,7 +42,7 @@ def create_app(
     lm: LoadedModel,
     *,
     config: DecodeConfig | None = None,
-    max_queue: int = 16,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     max_batch: int | None = None,
     context: int | None = None,
     request_timeout: float = 600.0,

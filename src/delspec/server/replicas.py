@@ -19,7 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from delspec.decoding import BATCH_SIZES
 from delspec.errors import ConfigError
+from delspec.loading import load_model
+from delspec.server.app import DEFAULT_MAX_QUEUE, create_app
 from delspec.server.metrics import merge_metrics
 
 INSTALL_HINT = "serving replicas needs Ray Serve: pip install 'delspec[ray]'"
@@ -42,11 +47,6 @@ class Replica:
     """One server process: its model, threads and app; Ray Serve routes HTTP to the app."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-
-        from delspec.loading import load_model
-        from delspec.server.app import create_app
-
         torch.set_num_threads(spec.threads)
         lm = load_model(spec.model, device=spec.device, dtype=spec.dtype, weights=spec.weights)
         options = {"aliases": (lm.name, spec.model), **spec.app_options}
@@ -103,12 +103,16 @@ def replicas_serving(
             raise ConfigError(f"could not {where}: {exc}") from None
     try:
         serve.start(http_options={"host": host, "port": port})
-        ongoing = spec.app_options.get("max_queue", 16) + (spec.app_options.get("max_batch") or 64)
+        # Ray holds back no request: each replica's own queue bounds them (429 beyond it)
+        options = spec.app_options
+        admitted = options.get("max_queue", DEFAULT_MAX_QUEUE) + (
+            options.get("max_batch") or BATCH_SIZES[-1]
+        )
         deployment = serve.deployment(
             name="Replica",
             num_replicas=replicas,
             ray_actor_options={"num_cpus": spec.threads},
-            max_ongoing_requests=ongoing,
+            max_ongoing_requests=admitted,
         )(serve.ingress()(Replica))
         try:
             serve.run(deployment.bind(spec), name=APP_NAME, route_prefix="/")
