@@ -33,7 +33,7 @@ MODELS = ("default", "gemma3-270m")
 FULL_M, QUICK_M = (1, 2, 4, 8, 16), (1, 8)
 _T = gguf.GGMLQuantizationType
 INT4_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_0, _T.Q5_1, _T.Q5_K})
-SIMD_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "portable C"}
+SIMD_NAMES = {2: "VNNI", 1: "AVX2", 0: "portable C"}
 GOAL_BANDWIDTH, GOAL_SPEEDUP, GOAL_M8 = 0.6, 1.5, 2.0
 # Relative error (vs a float product) beyond which a kernel is miscalled, not just lossy.
 TOLERANCE = {"ours": 0.05, "torch": 0.25}

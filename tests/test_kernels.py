@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from gguf.quants import dequantize
 
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
-from delspec.kernels.build import library
+from delspec.kernels.build import library, simd_paths
 from delspec.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
@@ -136,6 +137,52 @@ def test_row_bits_do_not_depend_on_batch_or_threads(qtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
+
+
+def test_simd_paths_widest_first():
+    """The paths tried for a CPU's flags, widest first, each narrower one a fallback for a
+    compiler too old for the wider; a cap never lets a wider one in."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 paths")
+    avx2 = {"avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    names = [
+        [" ".join(flags) or "portable" for flags in simd_paths(frozenset(cpu), cap)]
+        for cpu, cap in [
+            (avx512 | {"avx_vnni"}, None),
+            (avx2 | {"avx_vnni"}, None),
+            (avx512, "avx2"),
+            (avx512, "portable"),
+            ({"avx2", "fma"}, None),  # no F16C: no AVX2 path
+        ]
+    ]
+    assert [len(paths) for paths in names] == [4, 3, 2, 1, 1]
+    assert "-mavx512vnni" in names[0][0] and "-mavxvnni" in names[0][1]
+    assert "-mavxvnni" in names[1][0] and names[1][1:] == names[2]
+    assert names[2][0] == "-mavx2 -mfma -mf16c" and names[3] == names[4] == ["portable"]
+
+
+@pytest.mark.parametrize("path, level", [("portable", 0), ("avx2", 1)])
+def test_narrower_simd_paths(monkeypatch, path, level):
+    """The paths this CPU would not take (portable C runs wherever AVX2 is missing): built on
+    request, each type within the bound of gguf's dequantisation, row bits independent of the
+    batch."""
+    if level == 1 and library().dl_simd_level() < 1:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("DELSPEC_KERNEL_SIMD", path)
+    library.cache_clear()
+    try:
+        assert library().dl_simd_level() == level
+        for qtype in sorted(KERNEL_TYPES):
+            raw = synthetic_blocks(qtype, 24, 512, seed=6)
+            weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 512)
+            check_product(weight, qtype, raw, rows=9)
+            x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
+            alone = torch.cat([weight(x[r : r + 1]) for r in range(9)])
+            assert torch.equal(weight(x), alone), qtype.name
+    finally:
+        monkeypatch.undo()
+        library.cache_clear()
 
 
 def test_parts_and_row_subsets():

@@ -1,11 +1,11 @@
 """Building and loading the compiled kernels (`gguf_blocks.c`, `attention.c`) on this machine.
 
 The C sources are compiled at first use with the compiler that is there (`$CC`, else cc/gcc/clang),
-for the instruction set this CPU reports: AVX-512 VNNI dot products, AVX2 with FMA and F16C, or
-portable C. The library is cached in delspec's cache, keyed by the source, the flags and the
-compiler, so a later run (or a machine with another CPU sharing the cache) never loads a build
-made for other instructions. Where no compiler works, `library()` returns None and says once
-why; callers then use torch's kernels.
+for the instruction set this CPU reports: VNNI dot products (AVX-512 or AVX-VNNI), AVX2 with FMA
+and F16C, or portable C (a compiler too old for a path builds the next). The library is cached
+in delspec's cache, keyed by the source, the flags and the compiler, so a later run (or a machine
+with another CPU sharing the cache) never loads a build made for other instructions. Where no
+compiler works, `library()` returns None and says once why; callers then use torch's kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SOURCES = [
 HEADER = Path(__file__).with_name("kernels.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_VNNI = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+_AVX_VNNI = [*_AVX2, "-mavxvnni"]
 _COMMON = [
     "-O3",
     "-shared",
@@ -39,6 +40,9 @@ _COMMON = [
     "-std=gnu11",
 ]
 DISABLE_ENV = "DELSPEC_NO_KERNELS"  # set to 1: never build or load the compiled kernels
+# set to "avx2" or "portable": build a narrower path than the CPU reports (for a machine that
+# reports instructions it does not run, and to test the paths this CPU would not take)
+SIMD_ENV = "DELSPEC_KERNEL_SIMD"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -53,15 +57,29 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def simd_flags(flags: frozenset[str]) -> list[str]:
-    """Compiler flags for the widest path this CPU supports."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
+def simd_paths(flags: frozenset[str], cap: str | None = None) -> list[list[str]]:
+    """Compiler flags of the paths this CPU runs, widest first (a compiler too old for one
+    builds the next), none wider than `cap` ("avx2" or "portable"; None: no cap)."""
+    paths: list[list[str]] = [[]]
+    if platform.machine().lower() not in ("x86_64", "amd64") or cap == "portable":
+        return paths
     if {"avx2", "fma", "f16c"} <= flags:
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            return _AVX512_VNNI
-        return _AVX2
-    return []
+        paths.insert(0, _AVX2)
+        if cap != "avx2" and "avx_vnni" in flags:
+            paths.insert(0, _AVX_VNNI)
+        if cap != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            paths.insert(0, _AVX512_VNNI)
+    return paths
+
+
+def simd_cap() -> str | None:
+    """The narrower path asked for by $DELSPEC_KERNEL_SIMD, if any (an unknown value is
+    ignored, with a notice)."""
+    cap = os.environ.get(SIMD_ENV, "").strip().lower() or None
+    if cap not in (None, "avx2", "portable"):
+        _notice(f"ignoring {SIMD_ENV}={cap!r} (expected avx2 or portable)")
+        return None
+    return cap
 
 
 def cpu_name() -> str:
@@ -97,7 +115,6 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         _notice("no C compiler found; GGUF weights run on torch's kernels (slower)")
         return None
-    flags = [*_COMMON, *simd_flags(cpu_flags())]
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
@@ -105,16 +122,23 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError):
         version = []
     texts = [source.read_text() for source in (*SOURCES, HEADER)]
-    key = hashlib.sha256("\n".join([*texts, *flags, compiler, *version]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"delspec_kernels-{key}.so"
-    if not path.is_file():
-        target = " ".join(flags[len(_COMMON) :]) or "portable C"
+    for simd in simd_paths(cpu_flags(), simd_cap()):
+        flags = [*_COMMON, *simd]
+        key = hashlib.sha256("\n".join([*texts, *flags, compiler, *version]).encode())
+        key = key.hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"delspec_kernels-{key}.so"
+        if path.is_file():
+            break
+        target = " ".join(simd) or "portable C"
         _notice(f"building the GGUF block kernels ({target})...")
         try:
-            write_atomically(path, lambda out: _compile(compiler, flags, out))
+            write_atomically(path, lambda out, flags=flags: _compile(compiler, flags, out))
+            break
         except (OSError, subprocess.SubprocessError) as exc:
-            _notice(f"could not build the GGUF kernels ({exc}); using torch's kernels (slower)")
-            return None
+            _notice(f"could not build the GGUF kernels for {target} ({exc})")
+    else:
+        _notice("no build of the GGUF kernels works here; using torch's kernels (slower)")
+        return None
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -16,13 +16,14 @@
 #include <immintrin.h>
 #endif
 
-/* x quantised per group of 32 values for the block products: values q [M][K], and per row and
- * group the scale d, d times the sum of q over the group (`sum`) and over each half (`half`,
- * [M][G][2]). */
+/* x quantised per group of 32 values for the block products, group by group so that one
+ * group's rows lie together: values q [G][M][32], and per group and row the scale d, d times the
+ * sum of q over the group (`sum`, [G][M]) and over each half (`half`, [G][M][2]). A view of rows
+ * m0.. of another Activations moves the pointers by m0 rows and keeps M, the rows per group. */
 typedef struct {
     int8_t *q;
     float *d, *sum, *half;
-    int64_t K, G;
+    int64_t K, G, M;
 } Activations;
 
 /* Bytes of Activations for M rows of K values; `dl_activations_at` lays them out in `memory`
