@@ -2,16 +2,21 @@
 
     python benchmarks/step_profile.py [--model default] [--weights native] [--threads 2]
 
-Prints a Markdown table naming the CPU. On block weights the layers run as one compiled call,
-which times its own steps (summed over the layers; a shared step includes waiting for the other
-threads at its barrier). Otherwise each part of a layer is timed alone in a loop over every layer
-(weights streaming from memory as in a step). "rest of the step" is the whole step minus the
-parts: Python, the engine's own work, and (eager path) the residuals.
+Prints a Markdown table naming the CPU. On block weights the parts are timed inside whole steps:
+the layers run as one compiled call, which times its own steps (summed over the layers; a shared
+step includes waiting for the other threads at its barrier), and the embedding and the LM head
+are clocked around it, so each part meets the caches as a step leaves them (timed alone in a
+loop, SmolLM2's 30 MB head would sit in the last-level cache and look twice as fast as it is).
+Otherwise each part of a layer is timed alone in a loop over every layer (weights streaming from
+memory as in a step). "rest of the step" is the whole step minus the parts: Python, the engine's
+own work, and (eager path) the residuals.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,20 +36,26 @@ def step_seconds(model, ids: torch.Tensor, position: int, repeats: int) -> float
 
 
 def compiled_profile(model, rows: int, position: int, repeats: int) -> dict[str, float]:
-    """Milliseconds per step of each part, from the compiled layers' own timers."""
+    """Milliseconds per step of each part, timed inside whole steps: the compiled layers' own
+    timers, and the clock around the embedding and the LM head."""
     ids = torch.full((rows,), 5)
     compiled = model.compiled_layers()
-    x = torch.randn(rows, model.config.hidden_size)
     totals = torch.zeros(len(STEPS), dtype=torch.float64)
     where = (list(range(position, position + rows)), [0] * rows)
-    run = lambda: compiled.run(x, *where, 0, model.num_layers, None, totals)  # noqa: E731
-    run()
-    totals.zero_()
-    for _ in range(repeats):
-        run()
-    times = {"embedding lookup": median_seconds(lambda: model.embed(ids), repeats) * 1e3}
+    embed, head = [], []
+    for repeat in range(repeats + 1):  # the first step is a warm-up
+        start = time.perf_counter()
+        x = model.embed(ids)
+        layers_start = time.perf_counter()
+        h = compiled.run(x, *where, 0, model.num_layers, None, totals if repeat else None)
+        head_start = time.perf_counter()
+        model.head(h)
+        if repeat:
+            embed.append(layers_start - start)
+            head.append(time.perf_counter() - head_start)
+    times = {"embedding lookup": statistics.median(embed) * 1e3}
     times.update({name: float(t) / repeats * 1e3 for name, t in zip(STEPS, totals, strict=True)})
-    times["LM head (final norm + head)"] = median_seconds(lambda: model.head(x), repeats) * 1e3
+    times["LM head (final norm + head)"] = statistics.median(head) * 1e3
     return times
 
 
