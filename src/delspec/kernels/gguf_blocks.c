@@ -562,10 +562,10 @@ static inline __attribute__((always_inline)) void tile_avx2(int type, const Layo
     case t: {                                                                                \
         Layout L;                                                                            \
         layout_of(t, &L);                                                                    \
-        switch (rows) {                                                                  \
+        switch (rows) {                                                                      \
             ROWS_CASE(t, 1) ROWS_CASE(t, 2) ROWS_CASE(t, 3) ROWS_CASE(t, 4)                  \
             ROWS_CASE(t, 5) ROWS_CASE(t, 6) ROWS_CASE(t, 7) ROWS_CASE(t, 8)                  \
-        }                                                                                \
+        }                                                                                    \
         return;                                                                              \
     }
 static void tile_product(int type, const Layout *unused, const uint8_t *tile,
