@@ -459,7 +459,8 @@ static inline __m256i broadcast4(const int8_t *x) {
 }
 
 /* Keeps v in a register at this point: without it the compiler regroups a row's 16-bit sums
- * into a tree whose partial sums outnumber the registers and spill (1.3x slower on AVX2). */
+ * into a tree whose partial sums outnumber the registers and spill (GCC 12: 1.3x slower on an
+ * AVX2 EPYC). It only fixes an order the compiler may not undo; the CPU still schedules freely. */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* Per row r of x (its 32 values at x + 32 r) and row of the tile (32-bit lane), the integer dot
