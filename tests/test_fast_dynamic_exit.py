@@ -150,7 +150,10 @@ def test_unscored_rounds_count_the_exit_layers_own_drafts():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
     expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
-    policy = make_policy("del-fast", model.num_layers, shadow_budget=0.01, warmup=4)
+    # exit-layer drafts only (context drafts have their own statistics)
+    policy = make_policy(
+        "del-fast", model.num_layers, shadow_budget=0.01, warmup=4, context_drafts=False
+    )
     got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
     assert got.token_ids == expected.token_ids
     for before, entry in zip(got.trace, got.trace[1:], strict=False):

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_context_drafts import Scripted
 from test_lossless import AtLevel
 from tiny_models import tiny_model
 
@@ -66,6 +67,9 @@ def exact_distribution(model, prompt, sampling):
         ("static", dict(exit_layer=2, draft_length=2), None, True),
         # The middle one of three draft vocabularies: tokens 0, 1, 3 and the context's 4 and 2.
         ("level", dict(exit_layer=2, draft_length=2, level=1), [[0, 3], [0, 1, 3], None], False),
+        ("lookup", dict(ngram_min=1, draft_length=2), None, False),
+        # Two context tokens (a fixed script), then exit-layer drafts after them.
+        ("scripted", dict(exit_layer=2), None, False),
     ],
 )
 def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab, int8):
@@ -85,6 +89,9 @@ def test_speculative_sampling_keeps_the_target_distribution(strategy, options, d
     for seed in range(SAMPLES):
         if strategy == "level":
             policy = AtLevel(model.num_layers, **options)
+        elif strategy == "scripted":
+            script = [3, 1, 4, 1, 5, 2, 0]
+            policy = Scripted(model.num_layers, script, 2, lambda r: 2, vocab=VOCAB, **options)
         else:
             policy = make_policy(strategy, model.num_layers, **options)
         out = decode_tokens(
@@ -97,7 +104,8 @@ def test_speculative_sampling_keeps_the_target_distribution(strategy, options, d
         )
         counts[tuple(out.token_ids)] += 1
         drafted += out.stats.drafted
-    assert strategy == "ar" or drafted > SAMPLES  # drafts were really made and tested
+    # drafts were really made and tested (context drafts: only where a token repeats)
+    assert strategy == "ar" or drafted > (SAMPLES // 2 if strategy == "lookup" else SAMPLES)
     # Pool rare continuations so every chi-square cell expects at least 5 samples.
     cells = sorted(exact, key=exact.get, reverse=True)
     common = [c for c in cells if exact[c] * SAMPLES >= 5]

@@ -69,6 +69,10 @@ class MeasuredCost:
     runs the last draft token through layers [0, l) and d + 1 positions through [l, L) and the
     full head; after int8 drafts, d + 1 positions through every layer and the full head. d = 0
     is a plain step: L * layer(1) + head(1).
+
+    A round that first drafts c context tokens (free to make) verifies c + d + 1 positions; with
+    layer drafts after them, drafting runs the input and the c tokens through [0, l) in one pass
+    and d - 1 more tokens one at a time. With d = 0 it is every layer over c + 1 positions.
     """
 
     def __init__(self, profile: CostProfile, num_layers: int) -> None:
@@ -77,24 +81,42 @@ class MeasuredCost:
         self.overhead = 0.0  # seconds of policy work per round, updated by the policy
 
     def grid(
-        self, exit_layers: Tensor, draft_lengths: Tensor, levels: Tensor | None = None
+        self,
+        exit_layers: Tensor,
+        draft_lengths: Tensor,
+        levels: Tensor | None = None,
+        context: int = 0,
     ) -> Tensor:
-        """`[rows, draft lengths]` seconds of one round; row i drafts with `exit_layers[i]` and
-        vocabulary level `levels[i]` (default 0)."""
+        """`[rows, draft lengths]` seconds of one round drafting `context` context tokens, then
+        d (the draft length) from layer `exit_layers[i]` with vocabulary level `levels[i]`
+        (default 0) in row i."""
         p = self.profile
         levels = torch.zeros_like(exit_layers) if levels is None else levels
         layer = torch.tensor(p.layer, dtype=torch.float64)
         head = torch.tensor(p.head, dtype=torch.float64)
-        k = (draft_lengths + 1).clamp(max=len(p.layer)) - 1  # index of d + 1 new tokens
+        k = (draft_lengths + context + 1).clamp(max=len(p.layer)) - 1  # index of rows verified
         e = exit_layers[:, None].double()
         d = draft_lengths[None, :].double()
         head_s = torch.tensor(p.draft_head, dtype=torch.float64)[levels][:, None]
-        draft = d * (e * p.draft_layer + head_s)
-        if p.int8:  # every layer again over the d + 1 positions
-            verify = self.num_layers * layer[k][None, :] + head[k][None, :]
+        if context:  # one pass over the input and the context tokens, then d - 1 tokens
+            first = layer[min(context, len(p.layer) - 1)]
+            draft = torch.where(d > 0, e * first + (d - 1) * e * p.draft_layer + d * head_s, 0.0)
+        else:
+            draft = d * (e * p.draft_layer + head_s)
+        every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
+        if p.int8:  # every layer again over every position
+            verify = every_layer
         else:
             verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
+            verify = torch.where(d > 0, verify, every_layer)  # no layer draft: every layer
         return draft + verify + self.overhead
+
+    def plain_seconds(self, rows: int) -> float:
+        """Seconds of a round running `rows` positions through every layer and the full head:
+        a plain step (1), or a context draft of `rows - 1` tokens and its verification."""
+        p = self.profile
+        k = min(rows, len(p.layer)) - 1
+        return self.num_layers * p.layer[k] + p.head[k] + self.overhead
 
 
 def profile_key(exit_head: ExitHead) -> str:

@@ -120,6 +120,28 @@ class DVOptions(_Options):
         _at_least_one("max draft", self.max_draft)
 
 
+@dataclass(frozen=True)
+class LookupOptions(_Options):
+    """`lookup`: draft only from the context (prompt lookup): up to `draft_length` tokens that
+    followed the latest earlier occurrence of the sequence's longest suffix of `ngram_min` to
+    `ngram_max` tokens; with `adaptive`, the length moves within [1, `max_draft`] as `fs`'s
+    does."""
+
+    draft_length: int = 4
+    adaptive: bool = False
+    max_draft: int = 18
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def check(self) -> None:
+        _at_least_one("draft length", self.draft_length)
+        _at_least_one("max draft", self.max_draft)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+
+
 COSTS = ("layers", "measured")
 
 
@@ -132,7 +154,8 @@ class DELOptions(_Options):
     statistics; d* is chosen in [`gamma_min`, `gamma_max`) and a draft stops at `draft_cap`
     tokens; `warmup`: prompt positions scored in round 0; `dynamic_draft=False` is DELE.
     del-fast's additions: `cost="measured"`, `no_draft`, `shadow_budget`, `prior`, `margin`
-    (None: what the cost implies), `runs`, `min_evidence`.
+    (None: what the cost implies), `runs`, `min_evidence`, `context_drafts` (draft from the
+    context too, choosing each round's source by measured cost; needs `cost="measured"`).
     """
 
     candidates: tuple[int, ...] | None = None
@@ -149,6 +172,7 @@ class DELOptions(_Options):
     margin: float | None = None
     runs: bool = False
     min_evidence: float = 0.0
+    context_drafts: bool = False
 
     def check(self) -> None:
         if not 0.0 < self.omega <= 1.0:
@@ -168,24 +192,33 @@ class DELOptions(_Options):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.context_drafts and self.cost != "measured":
+            raise ConfigError("context_drafts needs cost='measured' (sources are chosen by cost)")
 
 
-StrategyOptions = NoOptions | StaticOptions | FSOptions | DVOptions | DELOptions
+StrategyOptions = NoOptions | StaticOptions | FSOptions | DVOptions | LookupOptions | DELOptions
 
 # Each strategy's default options. del-fast is DEL with the CPU/stock-checkpoint improvements:
 # measured costs, no-draft rounds, shadow work bounded to ~1% of round time, acceptance in runs,
-# and drafting only from layers seen at 3+ positions. Its first round scores 4 prompt positions
-# (once, not charged to the budget) so that a layer worth drafting from is known from the start
-# of a short reply.
+# drafting only from layers seen at 3+ positions, and context drafts. Its first round scores 4
+# prompt positions (once, not charged to the budget) so that a layer worth drafting from is
+# known from the start of a short reply.
 STRATEGIES: dict[str, StrategyOptions] = {
     "del": DELOptions(),
     "dele": DELOptions(dynamic_draft=False),
     "del-fast": DELOptions(
-        cost="measured", no_draft=True, shadow_budget=0.01, warmup=4, runs=True, min_evidence=3
+        cost="measured",
+        no_draft=True,
+        shadow_budget=0.01,
+        warmup=4,
+        runs=True,
+        min_evidence=3,
+        context_drafts=True,
     ),
     "static": StaticOptions(),
     "fs": FSOptions(),
     "dv": DVOptions(),
+    "lookup": LookupOptions(),
     "ar": NoOptions(),
 }
 

@@ -45,6 +45,10 @@ class Stats:
     etpl: float = 0.0  # sum(accepted + 1) / sum(E * T + L)
     mean_exit_layer: float = 0.0  # over rounds that drafted
     mean_draft_length: float = 0.0  # over all rounds
+    context_rounds: int = 0  # rounds that drafted from the context (mixed: then from a layer)
+    mixed_rounds: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0  # statistics work between rounds (DEL's shadow tokens)
@@ -90,7 +94,9 @@ class Decoding:
         self.policy = policy
         self.eos = frozenset(eos_token_ids)
         head = (exit_head or ExitHead(model)).for_prompt(self.prompt)
-        self.engine = Engine(model, sampling or Sampling(), tuple(eos_token_ids), head, slot)
+        self.engine = Engine(
+            model, sampling or Sampling(), tuple(eos_token_ids), head, slot, policy.context_ngrams
+        )
         self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
         self.totals = _Totals(model.num_layers, len(self.prompt))
         self.rounds: list[dict[str, Any]] | None = [] if trace else None
@@ -128,11 +134,13 @@ class Decoding:
         them were accepted drafts."""
         t0 = time.perf_counter()
         policy, engine = self.policy, self.engine
-        plan = policy.plan()
         room = self.capacity - len(engine.tokens)
-        cap = min(plan.draft_cap, self.max_new_tokens - self.generated - 1, room - 1)
+        budget = min(self.max_new_tokens - self.generated - 1, room - 1)  # drafts that fit
+        plan = policy.plan(engine.propose(min(budget, policy.context_limit)))
+        context = list(plan.context[:budget])
+        cap = min(plan.draft_cap, budget - len(context))
         record = engine.round(
-            plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden, plan.level
+            plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden, plan.level, context
         )
         t_obs = time.perf_counter()
         policy.observe(record)
@@ -147,8 +155,7 @@ class Decoding:
         step made outside (`step_together`, which took `seconds`); returns it (or nothing)."""
         engine = self.engine
         position = len(engine.tokens) - 1
-        engine.tokens.append(token)
-        engine.exit_head.admit([token])
+        engine.commit([token])
         engine.discard_warmup()
         record = Round(position, 0, [], [], 0, [token], logits.argmax(-1, keepdim=True))
         record.verify_s, record.logits = seconds, logits[None]
@@ -330,8 +337,13 @@ class _Totals:
         stats.rounds += 1
         stats.drafted += n
         stats.accepted += record.accepted
-        self.layer_loads += record.exit_layer * n + self.num_layers
-        if n:
+        if record.from_context:
+            stats.context_rounds += 1
+            stats.mixed_rounds += n > record.from_context
+            stats.context_drafted += record.from_context
+            stats.context_accepted += min(record.accepted, record.from_context)
+        self.layer_loads += record.exit_layer * (n - record.from_context) + self.num_layers
+        if n > record.from_context:
             self.exit_sum += record.exit_layer
             self.drafting_rounds += 1
 
@@ -359,6 +371,7 @@ def _trace_entry(index: int, record: Round) -> dict[str, Any]:
         "exit_layer": record.exit_layer,
         "level": record.level,
         "drafted": len(record.drafted),
+        "from_context": record.from_context,
         "accepted": record.accepted,
         "committed": len(record.tokens),
         "draft_ms": round(record.draft_s * 1000, 3),

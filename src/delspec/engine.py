@@ -1,16 +1,19 @@
 """The draft/verify engine: prefill and one self-speculative round at a time (LayerSkip mechanics).
 
-A round starts from the newest committed token (not yet run through any layer). Drafting runs
-layers [0, E) plus the exit head on it, autoregressively. Verification runs layers [0, E) on the
-last draft token only, then layers [E, L) over every unverified position in one pass, using the
-layer-E states kept from drafting. E = L drafts from the final layer's own states through the
-exit head; verification is then the full LM head over every unverified position, which pays when
-the exit head is much cheaper (a pruned vocabulary). With an int8 exit head (`ExitHead.int8`),
-drafts run layers [0, E) on int8 weight copies; their states and cache entries are approximate,
-so verification runs every layer over every unverified position (their cache entries are then
-rewritten exactly). Acceptance is greedy (longest matching prefix plus the target's token) or
-speculative sampling. The engine knows no policy: it is told the exit layer, the draft cap, and
-asked after each draft token whether to go on.
+A round starts from the newest committed token (not yet run through any layer). It may first take
+draft tokens from the context (a `ContextProposal`: they cost no model work). Drafting runs layers
+[0, E) plus the exit head on the newest token (with the context's tokens, in one pass),
+autoregressively. Verification runs layers [0, E) on the last draft token only, then layers [E, L)
+over every unverified position in one pass, using the layer-E states kept from drafting (with no
+exit-layer draft: every layer over the input and the context's tokens). E = L drafts from the final
+layer's own states through the exit head; verification is then the full LM head over every
+unverified position, which pays when the exit head is much cheaper (a pruned vocabulary). With an
+int8 exit head (`ExitHead.int8`), drafts run layers [0, E) on int8 weight copies; their states and
+cache entries are approximate, so verification runs every layer over every unverified position
+(their cache entries are then rewritten exactly). Acceptance is greedy (longest matching prefix
+plus the target's token) or speculative sampling (a context draft is one token with certainty:
+accepted with the target's probability of it). The engine knows no policy: it is told the context
+tokens, the exit layer and the draft cap, and asked after each draft token whether to go on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.errors import ConfigError
 from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.model import Transformer
@@ -143,6 +147,7 @@ class Round:
     hidden: Tensor | None = None  # [layers, context + T + 1, hidden] when collected
     context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
     level: int = 0  # the exit head's draft vocabulary (`ExitHead.vocabs`) the drafts came from
+    from_context: int = 0  # leading drafted tokens that came from the context, not the exit
     draft_s: float = 0.0
     verify_s: float = 0.0
     extra: dict = field(default_factory=dict)  # policy annotations for traces
@@ -156,13 +161,14 @@ class _Draft:
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)  # exit-head probability of each
     probs: list[Tensor] = field(default_factory=list)  # each one's distribution, when sampling
-    states: list[Tensor] = field(default_factory=list)  # per step: layer-E state of its input
-    early: list[Tensor] = field(default_factory=list)  # per step: [E, 1, hidden], collected
+    states: list[Tensor] = field(default_factory=list)  # per pass: layer-E states of its inputs
+    early: list[Tensor] = field(default_factory=list)  # per pass: [E, inputs, hidden], collected
 
 
 class Engine:
     """Holds one sequence's committed tokens and runs rounds on its slot of a model's KV
-    cache."""
+    cache. With `context_ngrams` (n-gram orders), it keeps a `ContextIndex` of the sequence
+    (`propose`)."""
 
     def __init__(
         self,
@@ -171,6 +177,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         exit_head: ExitHead | None = None,
         slot: int = 0,
+        context_ngrams: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
         self.slot = slot
@@ -180,6 +187,8 @@ class Engine:
         self.generator = sampling.generator(model.device)
         self.tokens: list[int] = []
         self._context: tuple[Tensor, Tensor] | None = None
+        self.context_ngrams = context_ngrams
+        self.index: ContextIndex | None = None
 
     def _ids(self, tokens: list[int]) -> Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.model.device)
@@ -209,7 +218,20 @@ class Engine:
         layer: reserve `capacity` positions in its slot."""
         self.tokens = list(prompt)
         self._context = None
+        ngrams = self.context_ngrams
+        self.index = None if ngrams is None else ContextIndex(prompt, *ngrams)
         self.model.setup_cache(capacity, self.slot + 1)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append committed `tokens` to the sequence (and to what knows of it)."""
+        self.tokens.extend(tokens)
+        self.exit_head.admit(tokens)
+        if self.index is not None:
+            self.index.extend(tokens)
+
+    def propose(self, limit: int) -> ContextProposal:
+        """Up to `limit` context draft tokens after the newest one (none without an index)."""
+        return NO_PROPOSAL if self.index is None else self.index.propose(limit)
 
     def discard_warmup(self) -> None:
         """Forget the prompt states kept for the first round (it is not this engine's)."""
@@ -223,20 +245,25 @@ class Engine:
         keep_drafting: Callable[[float], bool],
         collect: bool = False,
         level: int = 0,
+        context: list[int] | None = None,
     ) -> Round:
-        """Run one round and commit its tokens. `draft_cap == 0` means a plain full step;
-        drafts use the exit head's vocabulary `level`."""
+        """Run one round and commit its tokens: the `context` draft tokens (if any), then up to
+        `draft_cap` drafts from layer `exit_layer` with the exit head's vocabulary `level`.
+        No draft at all is a plain full step."""
         pos = len(self.tokens) - 1
+        context = _through_eos(context or [], self.eos)
+        if context and context[-1] in self.eos:
+            draft_cap = 0  # nothing is drafted past an end of sequence
         if draft_cap < 1 or not 0 < exit_layer <= self.model.num_layers:
             exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
-        draft = self._draft(pos, exit_layer, draft_cap, keep_drafting, collect, level)
+        draft = self._context_draft(context)
+        self._draft(draft, pos, exit_layer, draft_cap, keep_drafting, collect, level)
         t1 = time.perf_counter()
         logits, deep = self._verify(pos, exit_layer, draft, collect)
         targets, accepted, next_token = self._accept(logits, draft)
         committed = [*draft.tokens[:accepted], next_token]
-        self.tokens.extend(committed)
-        self.exit_head.admit(committed)
+        self.commit(committed)
         t2 = time.perf_counter()
 
         hidden = None
@@ -253,6 +280,7 @@ class Engine:
             targets,
             hidden,
             level=level,
+            from_context=len(context),
         )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         record.logits = logits
@@ -265,36 +293,48 @@ class Engine:
                 record.context = context_hidden.shape[1]
         return record
 
+    def _context_draft(self, tokens: list[int]) -> _Draft:
+        """A draft of context `tokens`, each drafted with certainty (probability 1)."""
+        draft = _Draft(list(tokens), [1.0] * len(tokens))
+        if tokens and not self.sampling.greedy:
+            vocab, dtype = self.model.config.vocab_size, _float(self.model.dtype)
+            certain = torch.zeros(len(tokens), vocab, dtype=dtype)
+            certain[torch.arange(len(tokens)), tokens] = 1.0
+            draft.probs = list(certain.to(self.model.device))
+        return draft
+
     def _draft(
         self,
+        draft: _Draft,
         pos: int,
         exit_layer: int,
         draft_cap: int,
         keep_drafting: Callable[[float], bool],
         collect: bool,
         level: int,
-    ) -> _Draft:
-        """Draft up to `draft_cap` tokens after the newest one (at position `pos`) with layers
+    ) -> None:
+        """Add up to `draft_cap` tokens to `draft` (the context's tokens so far) with layers
         [0, exit_layer) and the exit head's vocabulary `level`; stops at EOS or when
-        `keep_drafting(confidence)` says no."""
+        `keep_drafting(confidence)` says no. The first pass runs the round's input (at position
+        `pos`) and the context's tokens together."""
         model = self.model
-        draft = _Draft()
         int8 = self.exit_head.int8
-        token = self.tokens[-1]
+        inputs = [self.tokens[-1], *draft.tokens]
         for step in range(draft_cap):
             layers: list[Tensor] | None = [] if collect and not int8 else None
+            start = pos + len(draft.tokens) + 1 - len(inputs)
             h = model.run_layers(
-                model.embed(self._ids([token])), pos + step, 0, exit_layer, layers, int8, self.slot
+                model.embed(self._ids(inputs)), start, 0, exit_layer, layers, int8, self.slot
             )
             draft.states.append(h)
             if layers is not None:
                 draft.early.append(torch.stack(layers))
-            token, confidence = self._draft_token(h, exit_layer, level, draft.probs)
+            token, confidence = self._draft_token(h[-1:], exit_layer, level, draft.probs)
             draft.tokens.append(token)
             draft.confidences.append(confidence)
             if token in self.eos or step + 1 == draft_cap or not keep_drafting(confidence):
                 break
-        return draft
+            inputs = [token]
 
     def _verify(
         self, pos: int, exit_layer: int, draft: _Draft, collect: bool
@@ -305,7 +345,7 @@ class Engine:
         model = self.model
         n = len(draft.tokens)
         deep: list[Tensor] | None = [] if collect else None
-        if n == 0 or self.exit_head.int8:  # every layer over the round's input and its drafts
+        if not draft.states or self.exit_head.int8:  # every layer over the input and drafts
             inputs = self._ids([self.tokens[-1], *draft.tokens])
             h = model.run_layers(
                 model.embed(inputs), pos, 0, model.num_layers, deep, slot=self.slot
@@ -359,6 +399,12 @@ class Engine:
                 probs = full.index_copy_(0, vocab, probs)
             draft_probs.append(probs)
         return (column if vocab is None else int(vocab[column])), confidence
+
+
+def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first end-of-sequence token."""
+    end = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if end is None else tokens[: end + 1]
 
 
 def _float(dtype: torch.dtype) -> torch.dtype:

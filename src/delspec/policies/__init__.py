@@ -11,13 +11,20 @@ from delspec.decode_config import (
     DELOptions,
     DVOptions,
     FSOptions,
+    LookupOptions,
     NoOptions,
     StaticOptions,
 )
 from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit, uses_fast_additions
-from delspec.policies.fixed import Autoregressive, DraftAndVerify, FiniteStateDraft, Static
+from delspec.policies.fixed import (
+    Autoregressive,
+    ContextLookup,
+    DraftAndVerify,
+    FiniteStateDraft,
+    Static,
+)
 
 
 def _dynamic_exit(num_layers: int, options: DELOptions) -> DynamicExit:
@@ -33,6 +40,7 @@ POLICIES: dict[type, Callable[[int, Any], Policy]] = {
     StaticOptions: Static,
     FSOptions: FiniteStateDraft,
     DVOptions: DraftAndVerify,
+    LookupOptions: ContextLookup,
     DELOptions: _dynamic_exit,
 }
 

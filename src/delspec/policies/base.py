@@ -4,21 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from delspec.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The next round: draft up to `draft_cap` tokens with layers [0, exit_layer) and the exit
-    head's draft vocabulary `level` (`ExitHead.vocabs`).
+    """The next round: draft the `context` tokens (from the round's `ContextProposal`), then up
+    to `draft_cap` tokens with layers [0, exit_layer) and the exit head's draft vocabulary
+    `level` (`ExitHead.vocabs`).
 
-    `draft_cap == 0` asks for a plain autoregressive step through the full model.
+    No draft at all (`draft_cap == 0`, no `context`) is a plain autoregressive step through the
+    full model.
     """
 
     exit_layer: int
     draft_cap: int
     level: int = 0
+    context: tuple[int, ...] = ()
 
 
 class Policy:
@@ -27,13 +31,17 @@ class Policy:
     The generation loop calls `start` once per prompt, then per round `plan`, the engine calls
     `keep_drafting` after every draft token (except the last allowed one), and `observe` gets the
     finished round. `collect_hidden` asks the engine for every layer's states of each round;
-    `warmup_window` asks for that many prompt positions as teacher-forced context in round 0.
+    `warmup_window` asks for that many prompt positions as teacher-forced context in round 0;
+    `context_ngrams` (the n-gram orders of a `ContextIndex`; None: none) asks for a
+    `ContextProposal` of up to `context_limit` tokens in each `plan`.
     Subclasses take the model's depth and their strategy's options (`delspec.decode_config`).
     """
 
     name = "policy"
     collect_hidden = False
     warmup_window = 0
+    context_ngrams: tuple[int, int] | None = None
+    context_limit = 0
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
@@ -41,7 +49,8 @@ class Policy:
     def start(self, exit_head: ExitHead) -> None:
         """Reset all per-prompt state."""
 
-    def plan(self) -> Plan:
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
+        """The next round, given what the context proposes for it."""
         raise NotImplementedError
 
     def keep_drafting(self, confidence: float) -> bool:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from delspec.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.costs import LayerCost
 from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
@@ -88,7 +89,7 @@ class DynamicExit(Policy):
         self.alpha_trace = [0.0] * len(self.candidates)
         self.in_warmup = True
 
-    def plan(self) -> Plan:
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         if self.in_warmup:  # round 0: the paper drafts one token with the first candidate
             return Plan(self.candidates[0], 1)
         return Plan(self.exit_layer, self.next_draft_cap, self.level)
@@ -134,7 +135,9 @@ class DynamicExit(Policy):
         targets = record.targets.cpu()[positions]
         match = tokens == targets[None, :]
         valid = torch.ones(len(positions), dtype=torch.bool)
-        if record.exit_layer in layers:  # u_r, after the teacher-forced context (never clipped)
+        if record.from_context:  # the exit layer did not draft them all: up to the first reject
+            valid[record.context + record.accepted + 1 :] = False
+        elif record.exit_layer in layers:  # u_r, after the teacher-forced context (never clipped)
             row = layers.index(record.exit_layer)
             misses = (~match[row, record.context :]).nonzero()
             if len(misses):

@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from delspec.cache import cache_dir
+from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
 from delspec.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import best_plan, expected_tokens
+from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.base import Plan
 from delspec.policies.dynamic_exit import DynamicExit
 
@@ -33,6 +34,7 @@ def uses_fast_additions(options: DELOptions) -> bool:
         or options.min_evidence
         or options.prior
         or options.margin
+        or options.context_drafts
     )
 
 
@@ -71,6 +73,14 @@ class FastDynamicExit(DynamicExit):
       layer's statistics decay only when it is scored. A round that is not scored still
       updates the exit layer from its own drafts, which cost nothing to score: the accepted
       ones matched, the first rejected one did not.
+    - `context_drafts=True`: each round may also draft from the context (`ContextProposal`, at
+      no model cost), as a context draft alone, or one extended by exit-layer drafts. Each
+      round's proposal is scored against the tokens the sequence then commits (the verifier's,
+      so exact under greedy decoding and unbiased under sampling), whether it was drafted or
+      not: decayed acceptance statistics per match order, like a layer's, at no model cost.
+      The round takes whichever of the layer plan, the context draft (its best length) and the
+      extended draft promises the most tokens per measured second (a context draft, like a
+      layer draft, must beat a plain step by the margin).
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -85,6 +95,8 @@ class FastDynamicExit(DynamicExit):
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
+        if o.context_drafts:
+            self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
     def start(self, exit_head: ExitHead) -> None:
         if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
@@ -97,19 +109,57 @@ class FastDynamicExit(DynamicExit):
         self.credit = 0.0  # seconds of shadow work the budget allows now
         self.row_cost = 0.0  # measured seconds per scored (layer, position)
         self.cursor = 0  # rotation over candidates under a shadow budget
+        self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
+        self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
+        self.context = _ContextScore(self.omega, self.prior)
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
         return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
 
-    def plan(self) -> Plan:
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         if self.no_draft and (self.in_warmup or self.draft_length == 0):
-            return Plan(0, 0)
-        return super().plan()
+            layer_plan = Plan(0, 0)
+        else:
+            layer_plan = super().plan()
+        self.context.proposed(proposal)
+        if not proposal.tokens or self.in_warmup or not isinstance(self.cost, MeasuredCost):
+            return layer_plan
+        return self._with_context(layer_plan, proposal.tokens, proposal.order)
+
+    def _with_context(self, layer_plan: Plan, tokens: list[int], order: int) -> Plan:
+        """`layer_plan`, or a round that drafts a prefix of the context's `tokens` (found by a
+        suffix match of `order` tokens), alone or followed by `layer_plan`'s exit-layer drafts:
+        whichever promises the most tokens per second."""
+        cost = self.cost
+        first, then = self.context.acceptance(order)
+        best, value, expected, chance = 0, 0.0, 1.0, first
+        for k in range(1, len(tokens) + 1):  # draft the first k context tokens
+            expected += chance
+            chance *= then
+            tokens_per_s = expected / cost.plain_seconds(k + 1)
+            if tokens_per_s > value:
+                best, value = k, tokens_per_s
+        choice = Plan(0, 0, context=tuple(tokens[:best]))
+        if layer_plan.draft_cap and self.layer_tokens:  # the whole context draft, then layers
+            all_accepted = first * then ** (len(tokens) - 1)
+            extra = torch.tensor(self.layer_tokens, dtype=torch.float64) - 1.0
+            row, level = torch.tensor([layer_plan.exit_layer]), torch.tensor([layer_plan.level])
+            seconds = cost.grid(row, self.draft_lengths, level, context=len(tokens))[0]
+            mixed = (expected + all_accepted * extra) / seconds
+            mixed[self.draft_lengths == 0] = 0.0
+            column = int(mixed.argmax())
+            if float(mixed[column]) > value:
+                value = float(mixed[column])
+                cap = min(int(self.draft_lengths[column]), layer_plan.draft_cap)
+                choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, tuple(tokens))
+        floor = max(self.plan_value, (1 + self.margin) * self.plain_value)
+        return choice if value > floor else layer_plan
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
         in_warmup = self.in_warmup
+        self.context.committed(record)
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -214,10 +264,15 @@ class FastDynamicExit(DynamicExit):
     def _count_drafts(self, record: Round) -> None:
         """Update the exit layer from the round's drafts: accepted ones, then the first miss;
         each vocabulary level counts the accepted drafts it held."""
-        seen = min(record.accepted + 1, len(record.drafted))
-        match = torch.arange(seen) < record.accepted
-        match = match[None] & self.exit_head.covered(torch.tensor(record.drafted[:seen]))
-        confidence = torch.tensor(record.confidences[:seen]).repeat(self.levels, 1)
+        first = record.from_context  # the exit layer's drafts follow the context's
+        if record.accepted < first or len(record.drafted) == first:
+            return
+        accepted = record.accepted - first
+        seen = min(accepted + 1, len(record.drafted) - first)
+        match = torch.arange(seen) < accepted
+        drafted = torch.tensor(record.drafted[first : first + seen])
+        match = match[None] & self.exit_head.covered(drafted)
+        confidence = torch.tensor(record.confidences[first : first + seen]).repeat(self.levels, 1)
         rows = self._level_rows(torch.tensor([self.candidates.index(record.exit_layer)]))
         self.stats.update(
             match[: self.levels], confidence, torch.ones(seen, dtype=torch.bool), rows
@@ -244,4 +299,83 @@ class FastDynamicExit(DynamicExit):
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
             row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
+        self.plan_value = float(value[row, column])
+        self.plain_value = float(value[0, plain]) if plain is not None else 0.0
+        if self.context_ngrams is not None:
+            tokens = expected_tokens(
+                alpha[row : row + 1],
+                self.draft_lengths,
+                None if continuation is None else continuation[row : row + 1],
+            )
+            self.layer_tokens = tokens[0].tolist()
         self._take(row, column)
+
+
+class _ContextScore:
+    """Decayed acceptance statistics of context proposals, one row per match order, from each
+    round's proposal compared with the tokens the sequence commits after it (a proposal stays
+    pending until those tokens settle it)."""
+
+    def __init__(self, omega: float, prior: float) -> None:
+        self.prior = prior
+        self.stats = ExitStatistics(MAX_NGRAM - MIN_NGRAM + 1, omega)
+        self.alpha = self.continuation = [0.0] * len(self.stats.matched)
+        self.committed_tokens: list[int] = []  # since `origin`
+        self.origin: int | None = None  # sequence position of committed_tokens[0]
+        self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
+        self.proposal = NO_PROPOSAL  # this round's
+
+    def acceptance(self, order: int) -> tuple[float, float]:
+        """A proposal of this match order: the chance its first token is accepted, and that a
+        token after an accepted one is."""
+        row = order - MIN_NGRAM
+        return self.alpha[row], self.continuation[row]
+
+    def proposed(self, proposal: ContextProposal) -> None:
+        """The round about to run had this proposal (drafted or not)."""
+        self.proposal = proposal
+
+    def committed(self, record: Round) -> None:
+        """Take the round's committed tokens; settle the proposals they decide."""
+        start = record.position + 1  # where this round's tokens (and its proposal) begin
+        if self.origin is None or start - self.origin != len(self.committed_tokens):
+            # the first round, or tokens committed without a round (batched steps): restart
+            self.origin, self.committed_tokens, self.pending = start, [], []
+        index = len(self.committed_tokens)
+        self.committed_tokens.extend(record.tokens)
+        if self.proposal.tokens:
+            self.pending.append((index, self.proposal))
+        self.proposal = NO_PROPOSAL
+        by_order: dict[int, list[list[bool]]] = {}
+        still = []
+        for index, proposal in self.pending:
+            outcome = _settled(proposal.tokens, self.committed_tokens[index:])
+            if outcome is None:
+                still.append((index, proposal))
+            else:
+                by_order.setdefault(proposal.order, []).append(outcome)
+        self.pending = still
+        for order, outcomes in by_order.items():
+            # one row of positions per order, a gap (invalid) between proposals
+            match = [m for outcome in outcomes for m in [*outcome, False]]
+            valid = [v for outcome in outcomes for v in [*([True] * len(outcome)), False]]
+            self.stats.update(
+                torch.tensor([match]),
+                torch.ones(1, len(match)),
+                torch.tensor(valid),
+                torch.tensor([order - MIN_NGRAM]),
+            )
+        if by_order:
+            self.alpha = self.stats.alpha(self.prior).tolist()
+            self.continuation = self.stats.continuation(self.prior).tolist()
+
+
+def _settled(proposed: list[int], actual: list[int]) -> list[bool] | None:
+    """Whether each proposed token matched, up to and including the first miss, once `actual`
+    (the tokens committed from the proposal's first position on) decides it; else None."""
+    outcome = []
+    for want, got in zip(proposed, actual, strict=False):
+        outcome.append(want == got)
+        if want != got:
+            return outcome
+    return outcome if len(outcome) == len(proposed) else None

@@ -1,8 +1,10 @@
-"""Policies with a fixed exit layer: plain AR, static LayerSkip, FS and Draft&Verify (DV)."""
+"""Policies with a fixed draft source: plain AR, static LayerSkip, FS, Draft&Verify (DV), and
+context lookup."""
 
 from __future__ import annotations
 
-from delspec.decode_config import DVOptions, FSOptions, NoOptions, StaticOptions
+from delspec.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.decode_config import DVOptions, FSOptions, LookupOptions, NoOptions, StaticOptions
 from delspec.engine import ExitHead, Round
 from delspec.policies.base import Plan, Policy
 
@@ -15,7 +17,7 @@ class Autoregressive(Policy):
     def __init__(self, num_layers: int, options: NoOptions) -> None:
         super().__init__(num_layers)
 
-    def plan(self) -> Plan:
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         return Plan(0, 0)
 
 
@@ -29,7 +31,7 @@ class Static(Policy):
         self.exit_layer = self.check_exit_layer(options.exit_layer)
         self.draft_length = options.draft_length
 
-    def plan(self) -> Plan:
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         return Plan(self.exit_layer, self.draft_length)
 
 
@@ -49,10 +51,16 @@ class FiniteStateDraft(Static):
         self.draft_length = self.initial
 
     def observe(self, record: Round) -> None:
-        if not record.drafted:
-            return
-        full = record.accepted == len(record.drafted)
-        self.draft_length = min(self.max_draft, max(1, self.draft_length + (1 if full else -1)))
+        self.draft_length = next_draft_length(self.draft_length, record, self.max_draft)
+
+
+def next_draft_length(length: int, record: Round, max_draft: int) -> int:
+    """FS's rule: +1 after a fully accepted draft, -1 after a rejection, within [1, max_draft]
+    (unchanged after a round without a draft)."""
+    if not record.drafted:
+        return length
+    full = record.accepted == len(record.drafted)
+    return min(max_draft, max(1, length + (1 if full else -1)))
 
 
 class DraftAndVerify(Static):
@@ -91,3 +99,29 @@ class DraftAndVerify(Static):
         moved = self.threshold + (self.step if self.rate < self.target else -self.step)
         self.threshold = self.beta2 * self.threshold + (1 - self.beta2) * moved
         record.extra["threshold"] = self.threshold
+
+
+class ContextLookup(Policy):
+    """`lookup`: drafts only from the context (prompt lookup, `ContextIndex`): up to
+    `draft_length` tokens of each round's proposal, a plain step when there is none; with
+    `adaptive`, the length follows FS's rule within [1, max_draft]."""
+
+    name = "lookup"
+
+    def __init__(self, num_layers: int, options: LookupOptions) -> None:
+        super().__init__(num_layers)
+        self.initial, self.adaptive = options.draft_length, options.adaptive
+        self.max_draft = options.max_draft if options.adaptive else options.draft_length
+        self.context_ngrams = (options.ngram_min, options.ngram_max)
+        self.context_limit = self.draft_length = self.initial
+
+    def start(self, exit_head: ExitHead) -> None:
+        self.draft_length = self.initial
+
+    def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
+        return Plan(0, 0, context=tuple(proposal.tokens[: self.draft_length]))
+
+    def observe(self, record: Round) -> None:
+        if self.adaptive:
+            self.draft_length = next_draft_length(self.draft_length, record, self.max_draft)
+            self.context_limit = self.draft_length

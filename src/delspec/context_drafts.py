@@ -1,0 +1,97 @@
+"""Context drafts: tokens proposed by matching a sequence's newest tokens against its own earlier
+tokens (prompt lookup, n-gram drafting). They cost no model work; the full model verifies them
+like any draft.
+
+`ContextIndex` keeps, for every n-gram of the sequence (n in [min_ngram, max_ngram]), the latest
+position where it occurred with a known next token. Appending a token updates it in
+O(max_ngram); a proposal costs O(max_ngram) lookups plus the tokens it copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+MIN_NGRAM = 1
+MAX_NGRAM = 4
+
+
+class ContextProposal(NamedTuple):
+    """Draft tokens found in the context, and the length of the suffix match (n-gram order)
+    that found the first of them (0: nothing matched)."""
+
+    tokens: list[int]
+    order: int
+
+
+NO_PROPOSAL = ContextProposal([], 0)
+
+
+class ContextIndex:
+    """The latest earlier occurrence of each n-gram of a token sequence that has a next token.
+
+    `propose(limit)` matches the longest suffix of the sequence (from `max_ngram` down to
+    `min_ngram` tokens) and proposes the tokens that followed its latest earlier occurrence;
+    when the copy reaches the end of the sequence (a repeating pattern), it matches again on
+    the sequence extended by what it proposed, up to `limit` tokens.
+    """
+
+    def __init__(
+        self, tokens: Iterable[int] = (), min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        # per order n: n-gram -> index of the token that followed its latest occurrence
+        self.follows: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_ngram, max_ngram + 1)
+        }
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append `tokens`: each one becomes the known successor of the n-grams ending just
+        before it."""
+        seq, follows = self.tokens, self.follows
+        for token in tokens:
+            i = len(seq)
+            for n, table in follows.items():
+                if i >= n:
+                    table[tuple(seq[i - n : i])] = i
+            seq.append(token)
+
+    def propose(self, limit: int) -> ContextProposal:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the sequence's
+        longest matching suffix (see the class docstring)."""
+        if limit < 1:
+            return NO_PROPOSAL
+        seq = self.tokens
+        out: list[int] = []
+        first_order = 0
+        while len(out) < limit:
+            start, order = self._match(seq, out)
+            if start is None:
+                break
+            first_order = first_order or order
+            # copy what followed the match; past the end of `seq`, continue into `out` itself
+            stop = min(len(seq), start + limit - len(out))
+            out.extend(seq[start:stop])
+        return ContextProposal(out[:limit], first_order) if out else NO_PROPOSAL
+
+    def _match(self, seq: list[int], tail: list[int]) -> tuple[int | None, int]:
+        """Where the tokens after the longest suffix of `seq + tail` found in the index start,
+        and that suffix's length."""
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if n > len(seq) + len(tail):
+                continue
+            if n <= len(tail):
+                key = tuple(tail[len(tail) - n :])
+            else:
+                key = tuple(seq[len(seq) - (n - len(tail)) :]) + tuple(tail)
+            start = self.follows[n].get(key)
+            if start is not None:
+                return start, n
+        return None, 0

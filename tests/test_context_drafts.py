@@ -1,0 +1,249 @@
+"""Context drafts: the n-gram index, rounds that draft from the context (alone, or followed by
+exit-layer drafts) staying lossless, and del-fast's choice of a round's source by cost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_costs import profile
+from test_lossless import run
+from tiny_models import tiny_model
+
+from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.costs import MeasuredCost
+from delspec.decode_config import StaticOptions
+from delspec.decoding import Decoding, decode_tokens
+from delspec.engine import ExitHead
+from delspec.errors import ConfigError
+from delspec.policies import Plan, make_policy
+from delspec.policies.fixed import Static
+
+
+def reference_proposal(tokens, limit, min_ngram, max_ngram):
+    """What `ContextIndex.propose` must give, by scanning the whole sequence each time."""
+    out: list[int] = []
+    order = 0
+    while len(out) < limit:
+        seq = tokens + out
+        for n in range(max_ngram, min_ngram - 1, -1):
+            if n > len(seq):
+                continue
+            suffix = seq[-n:]
+            # latest occurrence whose next token is a real (not proposed) one
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+            if starts:
+                break
+        else:
+            break
+        order = order or n
+        start = starts[-1] + n
+        out.extend(tokens[start : min(len(tokens), start + limit - len(out))])
+    return ContextProposal(out[:limit], order) if out else NO_PROPOSAL
+
+
+def test_proposes_what_followed_the_latest_longest_match():
+    index = ContextIndex([5, 1, 2, 7, 9, 1, 2, 8, 3, 1, 2], min_ngram=1, max_ngram=3)
+    # "1 2" occurred twice before the end: the latest one was followed by 8, 3
+    assert index.propose(2) == ContextProposal([8, 3], 2)
+    index.extend([8])  # "1 2 8" now matches at order 3
+    assert index.propose(3) == ContextProposal([3, 1, 2], 3)
+    assert index.propose(0) == NO_PROPOSAL
+    assert ContextIndex([1, 2, 3], min_ngram=2).propose(4) == NO_PROPOSAL  # no repeat
+
+
+def test_a_repeating_pattern_is_proposed_past_the_end_of_the_sequence():
+    index = ContextIndex([4, 6, 4, 6, 4], min_ngram=2, max_ngram=4)
+    assert index.propose(7) == ContextProposal([6, 4, 6, 4, 6, 4, 6], 3)
+
+
+def test_incremental_index_matches_a_full_scan():
+    rng = random.Random(0)
+    for trial in range(40):
+        tokens = [rng.randrange(4 if trial % 2 else 9) for _ in range(rng.randrange(1, 60))]
+        low, high = rng.choice([(1, 1), (1, 4), (2, 4), (3, 3)])
+        index = ContextIndex(tokens[:1], low, high)
+        for i in range(1, len(tokens)):
+            index.extend(tokens[i : i + 1])
+            for limit in (1, 3, 8):
+                expected = reference_proposal(tokens[: i + 1], limit, low, high)
+                assert index.propose(limit) == expected, (tokens[: i + 1], limit, low, high)
+
+
+def test_bad_orders_are_refused():
+    with pytest.raises(ValueError, match="ngram"):
+        ContextIndex([], 3, 2)
+    with pytest.raises(ConfigError, match="ngram_min"):
+        make_policy("lookup", 6, ngram_min=0)
+    with pytest.raises(ConfigError, match="draft length"):
+        make_policy("lookup", 6, draft_length=0)
+    with pytest.raises(ConfigError, match="no option 'exit_layer'"):
+        make_policy("lookup", 6, exit_layer=2)
+    with pytest.raises(ConfigError, match="context_drafts needs cost"):
+        make_policy("del", 6, context_drafts=True)
+
+
+class Scripted(Static):
+    """Drafts `context` tokens from a script of what the model will say (corrupted from token
+    `correct(round)` on), then up to 3 exit-layer drafts from `exit_layer` (0: none). Its
+    proposals come from the script, not from the sequence's own index."""
+
+    context_ngrams = (1, 1)
+    context_limit = 32
+
+    def __init__(self, num_layers, script, context, correct, exit_layer, vocab=64):
+        super().__init__(num_layers, StaticOptions(max(exit_layer, 1), 3))
+        self.script, self.context, self.correct, self.vocab = script, context, correct, vocab
+        self.layer_drafts = 3 if exit_layer else 0
+
+    def start(self, exit_head):
+        self.generated, self.round = 0, 0
+
+    def plan(self, proposal=NO_PROPOSAL):
+        self.round += 1
+        tokens = list(self.script[self.generated : self.generated + self.context])
+        cut = self.correct(self.round)
+        tokens[cut:] = [(t + 1) % self.vocab for t in tokens[cut:]]
+        return Plan(self.exit_layer, self.layer_drafts, context=tuple(tokens))
+
+    def observe(self, record):
+        self.generated += len(record.tokens)
+
+
+LAYERS = 6  # tiny_model's
+
+
+@pytest.mark.parametrize("exit_layer", [0, 2, 6])
+@pytest.mark.parametrize("weights", ["float", "int8", "blocks"])
+def test_context_and_mixed_rounds_are_lossless(exit_layer, weights):
+    """Context drafts accepted in full, in part, or not at all, alone or followed by exit-layer
+    drafts (from an early layer and from the final one), on float64, int8 drafts and blocks."""
+    paths = {"all": 0, "part": 0, "none": 0, "layers_after": 0}
+    for seed in range(4):
+        model = tiny_model(seed=seed, shallow=2, residual_scale=0.1, blocks=weights == "blocks")
+        prompt = list(range(seed, seed + 7))
+        expected, _ = run(model, prompt, "ar", 40)
+        head = ExitHead(model, int8=weights == "int8")
+        for context in (1, 3, 5):
+            policy = Scripted(LAYERS, expected.token_ids, context, lambda r: r % 4, exit_layer)
+            got = decode_tokens(
+                model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
+            )
+            assert got.token_ids == expected.token_ids, (seed, context)
+            for r in got.trace:
+                k = r["from_context"]
+                paths["all"] += k > 0 and r["accepted"] >= k
+                paths["part"] += 0 < r["accepted"] < k
+                paths["none"] += k > 0 and r["accepted"] == 0
+                paths["layers_after"] += r["drafted"] > k > 0 and r["accepted"] > k
+    assert paths["all"] and paths["part"] and paths["none"], paths
+    assert bool(paths["layers_after"]) == bool(exit_layer), paths
+
+
+def test_an_end_of_sequence_inside_a_context_draft_ends_the_output():
+    model = tiny_model(seed=2, shallow=2, residual_scale=0.1)
+    prompt = [3, 9, 27, 17]
+    free, _ = run(model, prompt, "ar", 30)
+    eos = next(t for i, t in enumerate(free.token_ids) if i >= 5 and t not in free.token_ids[:i])
+    expected, _ = run(model, prompt, "ar", 30, (eos,))
+    for exit_layer in (0, 2):
+        # the whole reply, which ends at the EOS, as one context draft; nothing after it
+        policy = Scripted(LAYERS, [*expected.token_ids, 1, 2], 40, lambda r: 40, exit_layer)
+        got = decode_tokens(
+            model, prompt, policy, max_new_tokens=30, eos_token_ids=(eos,), trace=True
+        )
+        assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
+        assert len(got.trace) == 1 and got.trace[0]["drafted"] == len(expected.token_ids)
+
+
+def test_the_index_holds_exactly_the_committed_tokens():
+    """After every round (drafts accepted, rejected, or none) the index is the sequence's."""
+    model = tiny_model(seed=1, shallow=2, residual_scale=0.1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    policy = make_policy("lookup", model.num_layers, ngram_min=1, draft_length=5)
+    decoding = Decoding(model, prompt, policy, max_new_tokens=30)
+    decoding.start()
+    while not decoding.done:
+        decoding.advance()
+        index = decoding.engine.index
+        assert index.tokens == decoding.engine.tokens
+        assert index.propose(6) == ContextIndex(index.tokens, 1, 4).propose(6)
+    stats = decoding.finish().stats
+    assert stats.drafted > stats.accepted > 0
+
+
+def _fast_policy(layer_seconds, head_seconds, matched, mismatched, context_hits, **options):
+    """A del-fast policy over exits 2, 5, 8 of a 10-layer model with a given profile, layer
+    statistics, and context statistics (order-2 proposals matched `context_hits` in a row,
+    rounds of 4 tokens)."""
+    model = tiny_model(seed=0, num_layers=10)
+    policy = make_policy("del-fast", 10, candidates=[2, 5, 8], shadow_budget=None, **options)
+    policy.cost = MeasuredCost(profile(layer_seconds, head_seconds), 10)
+    policy.start(ExitHead(model))
+    policy.stats.matched = torch.tensor(matched, dtype=torch.float64)
+    policy.stats.mismatched = torch.tensor(mismatched, dtype=torch.float64)
+    policy._choose()
+    score = policy.context
+    hits, misses = context_hits
+    for _ in range(12):  # rounds whose proposals matched `hits` tokens, then missed `misses`
+        score.stats.update(
+            torch.tensor([[True] * hits + [False] * misses]),
+            torch.ones(1, hits + misses),
+            torch.ones(hits + misses, dtype=torch.bool),
+            torch.tensor([1]),
+        )
+    score.alpha = score.stats.alpha(policy.prior).tolist()
+    score.continuation = score.stats.continuation(policy.prior).tolist()
+    return policy
+
+
+PROPOSAL = ContextProposal([11, 12, 13, 14, 15, 16], 2)
+# per layer: k rows cost about what one does (a GPU, or a CPU's layers near the bandwidth floor)
+FLAT = ([0.01] * 20, [0.05] * 20)
+# verifying k rows costs k plain steps: no draft can pay
+LINEAR = ([0.01 * k for k in range(1, 21)], [0.05 * k for k in range(1, 21)])
+
+
+def test_a_context_draft_is_taken_when_it_pays():
+    # layers agree poorly (no layer draft pays), proposals are right 4 tokens at a time
+    policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], (4, 1))
+    assert policy.plan().draft_cap == 0  # without a proposal: a plain step
+    plan = policy.plan(PROPOSAL)
+    assert plan.exit_layer == 0 and plan.draft_cap == 0
+    assert 3 <= len(plan.context) <= 6 and plan.context == tuple(
+        PROPOSAL.tokens[: len(plan.context)]
+    )
+
+
+def test_no_context_draft_where_verification_costs_too_much_or_proposals_miss():
+    expensive = _fast_policy(*LINEAR, [1, 1, 1], [30, 30, 30], (4, 1))
+    assert expensive.plan(PROPOSAL) == Plan(0, 0)
+    wrong = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], (0, 1))
+    assert wrong.plan(PROPOSAL) == Plan(0, 0)
+
+
+def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
+    # layer 2 accepts 95% for a fifth of a step per draft: its drafts beat poor context drafts
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], (1, 3))
+    layer_plan = policy.plan()
+    assert layer_plan.exit_layer == 2 and layer_plan.draft_cap > 0
+    assert policy.plan(PROPOSAL) == layer_plan
+    # a short proposal that is always right: it is drafted, then layer 2 drafts after it
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], (6, 0))
+    plan = policy.plan(ContextProposal([11], 2))
+    assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
+
+
+def test_proposals_are_scored_against_the_committed_tokens():
+    """Every round's proposal counts, drafted or not, once the tokens after it are committed:
+    on a model that repeats itself, the context statistics fill from plain rounds alone."""
+    model = tiny_model(seed=5)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    expected, _ = run(model, prompt, "ar", 40)
+    policy = make_policy("del-fast", model.num_layers, candidates=[2])
+    policy.cost = MeasuredCost(profile(*LINEAR), model.num_layers)  # nothing pays: plain steps
+    got = decode_tokens(model, prompt, policy, max_new_tokens=40)
+    assert got.token_ids == expected.token_ids and got.stats.drafted == 0
+    stats = policy.context.stats
+    assert float((stats.matched + stats.mismatched).sum()) > 0
