@@ -39,21 +39,18 @@ class Result:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """The result as JSON-ready values; `stats.acceptance_rate` is None when nothing was
-        drafted."""
+        """The result as JSON values; `stats.acceptance_rate` is None when nothing was drafted
+        (where `Stats` holds 0.0)."""
+        stats = self.stats.as_dict()
+        if not self.stats.drafted:
+            stats["acceptance_rate"] = None
         return {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "strategy": self.strategy,
-            "stats": {**self.stats.as_dict(), "acceptance_rate": acceptance_rate(self.stats)},
+            "stats": stats,
         }
-
-
-def acceptance_rate(stats: Stats) -> float | None:
-    """The share of drafted tokens accepted, rounded to 6 places; None when nothing was drafted
-    (where `Stats.acceptance_rate` holds 0.0)."""
-    return round(stats.acceptance_rate, 6) if stats.drafted else None
 
 
 class TextStream:
@@ -147,7 +144,9 @@ def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[i
     vocab = lm.model.config.vocab_size
     bad = next((t for t in ids if not is_integer(t) or not 0 <= t < vocab), None)
     if bad is not None:
-        raise ConfigError(f"prompt token id {bad!r} is not an integer in 0..{vocab - 1}")
+        raise ConfigError(
+            f"prompt token id {bad!r} is not an integer in the vocabulary 0..{vocab - 1}"
+        )
     return ids
 
 

@@ -143,6 +143,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.add_argument(
+        "--max-body-mb",
+        type=float,
+        help="largest request body in MiB; larger ones get 413 (default: 4)",
+    )
+    srv.add_argument(
         "--replicas",
         type=int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -167,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_batch": args.max_batch,
         "context": args.context,
         "request_timeout": args.timeout,
+        "max_body_mb": args.max_body_mb,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:

@@ -91,7 +91,8 @@ class Metrics:
             self.drafted += stats.drafted
             self.accepted += stats.accepted
             self.last_tokens_per_s = stats.tokens_per_s
-            self.last_acceptance_rate = stats.acceptance_rate
+            if stats.drafted:
+                self.last_acceptance_rate = stats.acceptance_rate
             for entry in result.trace or ():
                 if entry["drafted"]:
                     self.exit_layer.observe(entry["exit_layer"])
@@ -119,7 +120,7 @@ class Metrics:
                 (
                     "acceptance_rate",
                     "gauge",
-                    "Draft acceptance rate of the last generation.",
+                    "Draft acceptance rate of the last generation that drafted.",
                     self.last_acceptance_rate,
                 ),
                 ("queue_depth", "gauge", "Requests waiting for a slot.", queue_depth),
