@@ -14,6 +14,7 @@ from delspec.cli.arguments import (
     load,
     model_arguments,
     positive_int,
+    positive_number,
 )
 from delspec.errors import ConfigError, DelspecError
 
@@ -144,7 +145,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive_number,
         help="largest request body in MiB; larger ones get 413 (default: 4)",
     )
     srv.add_argument(

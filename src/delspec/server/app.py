@@ -110,7 +110,7 @@ def check_options(
         raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
     if max_batch is not None and max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-    if max_body_mb is not None and not max_body_mb > 0:
+    if max_body_mb is not None and not 0 < max_body_mb < float("inf"):
         raise ConfigError(f"max_body_mb must be > 0, got {max_body_mb}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
     if request_timeout <= 0 or queue_timeout <= 0:
