@@ -89,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     end_to_end = s.new_tokens / seconds if seconds > 0 else 0.0
     summary = (
         f"{s.new_tokens} tokens · decode {s.tokens_per_s:.1f} tok/s · prefill "
-        f"{s.prefill_ms:.0f} ms · end-to-end {end_to_end:.1f} tok/s (prefill and decode) · "
+        f"{s.prefill_ms:.0f} ms · end-to-end {end_to_end:.1f} tok/s · "
         f"strategy {result.strategy}"
     )
     if s.drafted:
