@@ -7,6 +7,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 from delspec.bench.backends import BACKENDS, LLAMA_CMAKE_ARGS, DelspecBackend, Generate, Output
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
+from delspec.bench.report import _heading
 from delspec.bench.tasks import TASKS
 from delspec.cli import main
 from delspec.errors import ConfigError
@@ -364,3 +366,20 @@ def test_methods_on_another_weight_format_are_checked_against_ar_on_it(tiny_dir,
     lonely = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", "static:E=2,d=2,weights=int8")
     assert bench(tiny_dir, tmp_path / "bad", *lonely) == 2
     assert "add ar:weights=int8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("weights", "named"),
+    [
+        ("native", "native GGUF blocks"),
+        ("int8", "int8 (Q8_0) blocks"),
+        ("float", "float32 weights"),
+    ],
+)
+def test_table_heading_names_the_weight_format(tmp_path, weights, named):
+    model = {"name": "m", "weights": weights, "dtype": "float32", "device": "cpu", "layers": 30}
+    environment = {"date": "d", "torch": "t", "transformers": "t", "threads": 2, "cpu": "c"}
+    settings = {"prompts": 1, "num_samples": 1, "seed": 0, "max_new_tokens": 8}
+    result = SimpleNamespace(model=model, environment=environment, settings=settings, ok=True)
+    heading = _heading(result)
+    assert f"· {named} on cpu · 30 layers" in heading[2]

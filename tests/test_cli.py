@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+import delspec.loading
 from delspec.cli import main
 from delspec.decode_config import DEFAULT_STRATEGY
 
@@ -75,7 +77,8 @@ def test_generate_streams_text_and_a_summary(smollm2, capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip()
-    assert "tok/s" in captured.err and "strategy ar" in captured.err
+    assert "strategy ar" in captured.err
+    assert re.search(r"decode \d+\.\d tok/s .* end-to-end \d+\.\d tok/s", captured.err)
 
 
 def test_info(smollm2, capsys):
@@ -93,7 +96,8 @@ def test_info(smollm2, capsys):
         (["generate", "x", "--strategy", "static", "--draft-length", "0"], "draft length"),
         (["generate", "x", "--temperature", "-1"], "temperature"),
         (["generate", "x", "--temperature", "0.5", "--top-p", "2"], "top_p"),
-        (["generate", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "", "--chat"], "the chat message is empty"),
+        (["generate", "x", "--weights", "bogus"], "use one of native, int8, float, auto"),
         (["generate", "x", "--strategy", DEFAULT_STRATEGY, "--exit-layer", "3"], "exit_layer"),
         (["generate", "x " * 9000, "--strategy", "ar"], "context"),
     ],
@@ -103,3 +107,31 @@ def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("delspec: error:") and message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
+        (["generate", "x", "--threads", "0"], "--threads: expected an integer >= 1, got '0'"),
+        (["serve", "--threads", "-2"], "--threads: expected an integer >= 1, got '-2'"),
+        (["generate", "x", "--exit-layer", "0"], "--exit-layer: expected an integer >= 1"),
+        (["generate", "x", "--stop", ""], "--stop: a stop string must not be empty"),
+        (["serve", "--max-body-mb", "0"], "--max-body-mb: expected a number > 0, got '0'"),
+    ],
+)
+def test_bad_arguments_are_refused_when_parsed(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_exit_layer_is_checked_before_the_model_loads(smollm2, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(delspec.loading, "load_model", no_load)
+    argv = ["generate", "x", "--strategy", "static", "--exit-layer", "999"]
+    assert main(argv) == 2
+    assert "exit layer must be in 1..30" in capsys.readouterr().err

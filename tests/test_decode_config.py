@@ -240,5 +240,5 @@ def test_generate_takes_a_config_or_its_options_as_keywords(lm):
     assert deeper.token_ids == by_config.token_ids
     ar = generate(lm, prompt, PAPER, max_new_tokens=12, strategy="ar")
     assert ar.strategy == "ar" and ar.token_ids == by_config.token_ids
-    with pytest.raises(ConfigError, match="has no option 'temperature'"):
-        generate(lm, prompt, temperature=0.5)
+    with pytest.raises(ConfigError, match="has no option 'temprature'"):
+        generate(lm, prompt, temprature=0.5)  # sampling keywords are spelt right

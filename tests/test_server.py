@@ -5,6 +5,8 @@ is the session fixture of conftest.py."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -202,7 +204,7 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
         assert http.post(TEXT, json=short).json()["choices"][0]["text"] == expected
         assert time.monotonic() - started < 5
         metrics = http.get("/metrics").text
-        assert f'delspec_requests_total{{endpoint="{TEXT}",status="429"}} 1' in metrics
+        assert f'delspec_requests_total{{endpoint="{TEXT}",status="429"}} 1.0' in metrics
 
 
 def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -> None:
@@ -233,6 +235,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "user"),
     (CHAT, {"messages": MESSAGES, "max_tokens": 10**6}, 400, "max_tokens", "context"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "word " * 300}]},
+        400,
+        "messages",
+        "the conversation has",
+    ),
+    (CHAT, {"messages": MESSAGES, "stop": ["x", ""]}, 400, "stop", "non-empty"),
     (CHAT, {"messages": MESSAGES, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
     (CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", "n=2"),
     (TEXT, {"max_tokens": 3}, 400, "prompt", "missing"),
@@ -246,6 +256,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (TEXT, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     (TEXT, {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     (TEXT, {"prompt": "hi", "stop": 5}, 400, "stop", "stop must be"),
+    (TEXT, {"prompt": "hi", "stop": ""}, 400, "stop", "stop strings must be non-empty"),
     (TEXT, {"prompt": "hi", "stream": "yes"}, 400, "stream", "boolean"),
     (TEXT, {"prompt": "hi", "delspec": "fast"}, 400, "delspec", "dictionary"),
     (TEXT, {"prompt": "hi", "delspec": {"strategy": "nope"}}, 400, "delspec", "unknown strategy"),
@@ -330,16 +341,94 @@ def test_health_and_metrics(tiny_url: str) -> None:
     }  # fmt: skip
     response = httpx.get(tiny_url + "/metrics")
     assert response.headers["content-type"].startswith("text/plain")
-    samples = dict(
-        line.rsplit(" ", 1) for line in response.text.splitlines() if not line.startswith("#")
-    )
-    assert int(samples[f'delspec_requests_total{{endpoint="{TEXT}",status="200"}}']) >= 1
-    assert int(samples["delspec_generated_tokens_total"]) >= 1
-    assert float(samples["delspec_tokens_per_second"]) > 0
-    assert 0 <= float(samples["delspec_acceptance_rate"]) <= 1
-    assert samples["delspec_queue_depth"] == "0" and samples["delspec_busy"] == "0"
-    buckets = [int(samples[f'delspec_exit_layer_bucket{{le="{e}"}}']) for e in (1, 2, 3, 4)]
+    samples = {
+        key: float(value)
+        for key, value in (
+            line.rsplit(" ", 1) for line in response.text.splitlines() if not line.startswith("#")
+        )
+    }
+    assert samples[f'delspec_requests_total{{endpoint="{TEXT}",status="200"}}'] >= 1
+    assert samples["delspec_generated_tokens_total"] >= 1
+    assert samples["delspec_tokens_per_second"] > 0
+    assert 0 <= samples["delspec_acceptance_rate"] <= 1
+    assert samples["delspec_queue_depth"] == 0 and samples["delspec_busy"] == 0
+    buckets = [samples[f'delspec_exit_layer_bucket{{le="{e}.0"}}'] for e in (1, 2, 3, 4)]
     assert buckets == sorted(buckets)
-    assert int(samples['delspec_exit_layer_bucket{le="+Inf"}']) == buckets[-1]
-    assert samples["delspec_exit_layer_count"] == str(buckets[-1])
+    assert samples['delspec_exit_layer_bucket{le="+Inf"}'] == buckets[-1]
+    assert samples["delspec_exit_layer_count"] == buckets[-1]
     assert "# TYPE delspec_exit_layer histogram" in response.text
+
+
+def test_empty_chat_content_is_answered_as_openai_does(tiny_url: str) -> None:
+    """OpenAI answers a user message with empty content; the chat template still gives a
+    prompt."""
+    body = {"messages": [{"role": "user", "content": ""}], "max_tokens": 2, "temperature": 0}
+    reply = httpx.post(tiny_url + CHAT, json=body, timeout=TIMEOUT)
+    assert reply.status_code == 200, reply.text
+
+
+def test_acceptance_rate_is_null_when_nothing_was_drafted(tiny_url: str) -> None:
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(tiny_url + TEXT, json={**body, "delspec": {"strategy": "ar"}}).json()
+    assert plain["delspec"]["acceptance_rate"] is None
+    options = {"strategy": "static", "exit_layer": 2}
+    drafted = httpx.post(tiny_url + TEXT, json={**body, "delspec": options}).json()
+    assert 0 <= drafted["delspec"]["acceptance_rate"] <= 1
+
+
+def test_bodies_past_the_limit_get_413(smollm2: LoadedModel) -> None:
+    with running(create_app(tiny_lm(smollm2), max_body_mb=0.5)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        # Content-Length says too much: 413 before the body is sent
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as raw:
+            raw.sendall(
+                f"POST {TEXT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {10 * 2**20}\r\n\r\n".encode()
+            )
+            reply = b""
+            while not reply.endswith(b"}}"):  # the end of the error object
+                chunk = raw.recv(65536)
+                assert chunk, reply
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413") and b"request_too_large" in reply
+
+        def chunks() -> Iterator[bytes]:  # a chunked body, no Content-Length
+            yield b'{"prompt": "'
+            for _ in range(16):  # 0.63 MiB
+                yield b"word " * 2**13
+            yield b'"}'
+
+        headers = {"content-type": "application/json"}
+        chunked = httpx.post(url + TEXT, content=chunks(), headers=headers, timeout=TIMEOUT)
+        error = assert_error(chunked, 413)
+        assert error["code"] == "request_too_large" and "0.5 MiB" in error["message"]
+        under = {"prompt": "word " * 90_000}  # 0.43 MiB: reaches the prompt check
+        assert_error(httpx.post(url + TEXT, json=under, timeout=TIMEOUT), 400, "prompt")
+        metrics = httpx.get(url + "/metrics").text
+        assert f'delspec_requests_total{{endpoint="{TEXT}",status="413"}} 2.0' in metrics
+
+
+def test_health_answers_while_clients_send_large_bodies(tiny_url: str) -> None:
+    """Tokenizing a 3 MB prompt takes seconds: it runs off the event loop."""
+    big = {"prompt": "word " * 600_000}  # 3 MB, under the default limit of 4 MiB
+    chat = {"messages": [{"role": "user", "content": big["prompt"]}]}
+    statuses: list[int] = []
+
+    def send(path: str, body: dict[str, Any]) -> None:
+        statuses.append(httpx.post(tiny_url + path, json=body, timeout=TIMEOUT).status_code)
+
+    clients = [
+        threading.Thread(target=send, args=a) for a in [(TEXT, big), (TEXT, big), (CHAT, chat)]
+    ]
+    for client in clients:
+        client.start()
+    slowest = 0.0
+    while any(c.is_alive() for c in clients):
+        started = time.monotonic()
+        assert httpx.get(tiny_url + "/health", timeout=TIMEOUT).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.05)
+    for client in clients:
+        client.join()
+    assert statuses == [400] * 3  # too long for the context, once tokenized
+    assert slowest < 2.0

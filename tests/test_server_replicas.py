@@ -14,7 +14,7 @@ from delspec.cli import main
 from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
-from delspec.server.metrics import merge_metrics
+from delspec.server.metrics import Metrics, merge_metrics
 from delspec.server.replicas import ReplicaSpec, replicas_serving
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3,"]
@@ -66,12 +66,15 @@ def test_two_replicas_answer_as_the_model_and_metrics_cover_both(smollm2: Loaded
 def test_merged_metrics_sum_counts_and_average_last_speeds() -> None:
     one = '# TYPE delspec_busy gauge\ndelspec_busy 1\ndelspec_tokens_per_second 10\nx{a="1"} 2\n'
     two = '# TYPE delspec_busy gauge\ndelspec_busy 0\ndelspec_tokens_per_second 30\nx{a="1"} 5\n'
+    one += "x_created 1.5e+09\n"
+    two += "x_created 1.2e+09\n"
     merged = merge_metrics([one, two])
     assert samples(merged) == {
         "delspec_replicas": 2,
         "delspec_busy": 1,
         "delspec_tokens_per_second": 20,
         'x{a="1"}': 7,
+        "x_created": 1.2e9,
     }
     assert merged.count("# TYPE delspec_busy gauge") == 1
 
@@ -99,3 +102,19 @@ def test_an_unreachable_ray_cluster_is_refused_at_once(capsys) -> None:
     pytest.importorskip("ray.serve", reason="Ray Serve is the delspec[ray] extra")
     assert main(["serve", "--replicas", "1", "--ray-address", "127.0.0.1:1"]) == 2
     assert "no Ray cluster answers at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_merging_the_metrics_of_two_servers() -> None:
+    texts = []
+    for requests in (1, 2):
+        metrics = Metrics(4)
+        for _ in range(requests):
+            metrics.count_request(TEXT, 200)
+        metrics.observe_batch(2)
+        texts.append(metrics.render(queue_depth=1, active=0))
+    merged = samples(merge_metrics(texts))
+    served = f'delspec_requests_total{{endpoint="{TEXT}",status="200"}}'
+    created = served.replace("_total", "_created")
+    assert merged[served] == 3 and merged["delspec_queue_depth"] == 2
+    assert merged['delspec_batch_size_bucket{le="2.0"}'] == 2 and merged["delspec_busy"] == 0
+    assert merged[created] == min(samples(text)[created] for text in texts)

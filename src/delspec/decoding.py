@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from delspec.engine import Engine, ExitHead, Round
-from delspec.errors import ConfigError, ContextLengthError
+from delspec.errors import ConfigError, ContextLengthError, is_integer
 from delspec.model import Transformer
 from delspec.policies import Policy
 from delspec.sampling import Sampling, draw
@@ -402,8 +402,8 @@ def _logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]
 def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
     """`prompt_ids` as a list; `ConfigError` or `ContextLengthError` when there is nothing to
     generate from or no room in the model's `context`."""
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompt = list(prompt_ids)
     if not prompt:
         raise ConfigError("the prompt is empty")

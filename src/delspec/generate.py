@@ -6,14 +6,14 @@ tokenisation, chat templates, streaming text, and stop strings on top of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from delspec.decode_config import DecodeConfig
 from delspec.decoding import Decoding, Stats, TokenLogprob
 from delspec.draft_head import draft_head
-from delspec.errors import ConfigError
+from delspec.errors import ConfigError, is_integer
 from delspec.policies import make_policy
 from delspec.sampling import Sampling
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from delspec.loading import LoadedModel
 
 OnText = Callable[[str, str], None]
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+SAMPLING_OPTIONS = tuple(f.name for f in fields(Sampling))  # generate's sampling keywords
 
 
 @dataclass
@@ -37,12 +39,17 @@ class Result:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
+        """The result as JSON values; `stats.acceptance_rate` is None when nothing was drafted
+        (where `Stats` holds 0.0)."""
+        stats = self.stats.as_dict()
+        if not self.stats.drafted:
+            stats["acceptance_rate"] = None
         return {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "strategy": self.strategy,
-            "stats": self.stats.as_dict(),
+            "stats": stats,
         }
 
 
@@ -58,7 +65,7 @@ class TextStream:
         self.ids = list(prompt_ids[-4:])  # a little context keeps leading spaces right
         self.prefix = 0
         self.read = len(self.ids)
-        self.stop = [s for s in stop if s]
+        self.stop = list(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.kinds: list[tuple[int, str]] = []  # (end offset in text, kind) per piece
@@ -115,24 +122,75 @@ class TextStream:
         return pieces
 
 
-def encode_prompt(
-    lm: LoadedModel, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool = False
-) -> list[int]:
+def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[int]:
     """Token ids of text, of a chat conversation (through the model's chat template; `chat=True`
-    wraps text as one user message), or of token ids (checked against the vocabulary)."""
+    wraps text as one user message, which must not be empty), or of token ids (checked against
+    the vocabulary). `ConfigError` for anything else."""
     if isinstance(prompt, str) and chat:
+        if not prompt:
+            raise ConfigError("the chat message is empty")
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
         return lm.tokenizer.encode(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        text = lm.apply_chat_template(list(prompt))
+    if not isinstance(prompt, Sequence):
+        raise ConfigError(
+            "the prompt must be text, token ids or a chat conversation (a list of "
+            f"{{'role', 'content'}} dicts), got {type(prompt).__name__}"
+        )
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        text = lm.apply_chat_template(_checked_conversation(prompt))
         return lm.tokenizer.encode(text, add_special_tokens=False)
     ids = list(prompt)
     vocab = lm.model.config.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    bad = next((t for t in ids if not is_integer(t) or not 0 <= t < vocab), None)
     if bad is not None:
-        raise ConfigError(f"prompt token id {bad} is outside the vocabulary 0..{vocab - 1}")
+        raise ConfigError(
+            f"prompt token id {bad!r} is not an integer in the vocabulary 0..{vocab - 1}"
+        )
     return ids
+
+
+def _checked_conversation(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as a list, after checking each has a text `role` and `content`."""
+    for i, message in enumerate(messages):
+        if not all(isinstance(message.get(key), str) for key in ("role", "content")):
+            raise ConfigError(f"chat message {i} needs a text 'role' and 'content': {message!r}")
+    return list(messages)
+
+
+def checked_stop(stop: str | Sequence[str]) -> list[str]:
+    """Stop strings as a list (one string is one stop string); `ConfigError` for an empty one
+    (it would stop before the first token) or one that is not text."""
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ConfigError(f"stop strings must be non-empty text, got {s!r}")
+    return stops
+
+
+def checked_sampling(
+    sampling: Sampling | Mapping[str, Any] | None, options: dict[str, Any]
+) -> Sampling:
+    """The `Sampling` of `generate`'s arguments: `sampling` (a `Sampling`, a dict of its fields,
+    or None: greedy) or the `SAMPLING_OPTIONS` keywords, which are taken out of `options`.
+    `ConfigError` when both are given, or for unknown fields."""
+    given = {k: options.pop(k) for k in SAMPLING_OPTIONS if k in options}
+    if given and sampling is not None:
+        raise ConfigError(f"pass {', '.join(given)} either as keywords or in sampling=, not both")
+    if isinstance(sampling, Sampling):
+        return sampling
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise ConfigError(
+            "sampling must be a delspec.Sampling or a dict of its fields, "
+            f"got {type(sampling).__name__}"
+        )
+    given = dict(sampling or given)
+    unknown = sorted(set(given) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown sampling option(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_OPTIONS)}"
+        )
+    return Sampling(**given)
 
 
 class TextDecoding:
@@ -168,7 +226,7 @@ class TextDecoding:
             slot=slot,
             logprobs=logprobs,
         )
-        self.stream = TextStream(lm.tokenizer, prompt_ids, stop)
+        self.stream = TextStream(lm.tokenizer, prompt_ids, checked_stop(stop))
 
     def advance(self) -> list[tuple[str, str]]:
         return self.take(*self.decoding.advance())
@@ -193,12 +251,12 @@ class TextDecoding:
 
 def generate(
     lm: LoadedModel,
-    prompt: str | Sequence[int] | Sequence[dict[str, str]],
+    prompt: Prompt,
     config: DecodeConfig | None = None,
     *,
-    sampling: Sampling | None = None,
+    sampling: Sampling | Mapping[str, Any] | None = None,
     max_new_tokens: int = 128,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     chat: bool = False,
     on_text: OnText | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -207,7 +265,8 @@ def generate(
     **options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
-    `del-fast`), greedy unless `sampling` says otherwise.
+    `del-fast`), greedy unless `sampling` (a `Sampling`, or a dict of its fields) or the
+    keywords `temperature`, `top_k`, `top_p`, `seed` (not both) say otherwise.
 
     `prompt` is text, token ids, or a chat conversation (a list of `{"role", "content"}`);
     `chat=True` wraps text as one user message. `on_text(piece, kind)` receives the final text
@@ -217,8 +276,9 @@ def generate(
     the k most likely tokens' (the model's own distribution, the same under every strategy).
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
     `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
-    config: greedy output is the model's own greedy output.
+    config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
     """
+    sampling = checked_sampling(sampling, options)
     config = (config or DecodeConfig()).updated(**options)
     text = TextDecoding(
         lm,

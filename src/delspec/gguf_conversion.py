@@ -36,12 +36,16 @@ SUPPORTED_GGML_TYPES = frozenset(
 )
 
 
-def converted_checkpoint(path: Path) -> Path:
-    """The cached Hugging Face directory of GGUF file `path`, converting it on first use.
+def converted_path(path: Path) -> Path:
+    """Where the Hugging Face directory of GGUF file `path` is cached (once converted): a cache
+    entry keyed by the file's size, mtime and first MiB."""
+    return cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}"
 
-    The cache entry is keyed by the file's size, mtime and first MiB, and appears atomically.
-    """
-    target = cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}"
+
+def converted_checkpoint(path: Path) -> Path:
+    """The cached Hugging Face directory of GGUF file `path` (`converted_path`), converting it
+    on first use. The cache entry appears atomically."""
+    target = converted_path(path)
 
     def convert(out: Path) -> None:
         reader, architecture = _check_gguf(path)

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from delspec.architectures import config_from_hf, token_ids
 from delspec.checkpoint import build_model, strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
-from delspec.gguf_conversion import converted_checkpoint
+from delspec.gguf_conversion import converted_checkpoint, converted_path
 from delspec.kernel_choice import choose_kernels
 from delspec.model import Transformer
 from delspec.named_models import NAMED_MODELS, default_model_path, named_model_path
@@ -113,6 +113,18 @@ def load_model(
     else:
         checkpoint, name = converted_checkpoint(path), path.stem
     return _load_checkpoint(checkpoint, name, path, torch_dtype, device, weights)
+
+
+def model_depth(source: str | os.PathLike | None) -> int | None:
+    """The number of layers of the model `load_model(source)` would load, read from its
+    config.json alone; None when that needs more (a GGUF file not yet converted) or the source
+    is unreadable (`load_model` says why)."""
+    try:
+        path = _resolve_source(source)
+        directory = path if path.is_dir() else converted_path(path)
+        return config_from_hf(_read_json(directory / "config.json")).num_layers
+    except (DelspecError, *LIBRARY_ERRORS):
+        return None
 
 
 def check_device(device: str | torch.device) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from delspec.errors import ConfigError
+from delspec.errors import ConfigError, is_integer, is_number
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,14 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name, valid, kind in [
+            ("temperature", is_number(self.temperature), "a number"),
+            ("top_k", is_integer(self.top_k), "an integer"),
+            ("top_p", is_number(self.top_p), "a number"),
+            ("seed", self.seed is None or is_integer(self.seed), "an integer or None"),
+        ]:
+            if not valid:
+                raise ConfigError(f"{name} must be {kind}, got {getattr(self, name)!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:

@@ -45,7 +45,7 @@ def resolve_weights(weights: str | None, source: Path, device: str) -> str:
     if weights is None or weights == "auto":
         return "native" if gguf_file and on_cpu and library() is not None else "float"
     if weights not in WEIGHT_FORMATS:
-        known = ", ".join(WEIGHT_FORMATS)
+        known = ", ".join([*WEIGHT_FORMATS, "auto"])
         raise ConfigError(f"unknown weight format {weights!r}; use one of {known}")
     if weights != "float" and not on_cpu:
         raise ConfigError(f"weights {weights!r} run on CPU only; use weights 'float' on {device}")

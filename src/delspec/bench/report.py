@@ -79,7 +79,7 @@ def _heading(result: BenchResult) -> list[str]:
         f"# delspec bench: {result.model['name']}",
         "",
         f"{env['date']} · torch {env['torch']} · transformers {env['transformers']} · "
-        f"{env['threads']} thread(s) · {env['cpu']} · {result.model['dtype']} on "
+        f"{env['threads']} thread(s) · {env['cpu']} · {_weights(result.model)} on "
         f"{result.model['device']} · {result.model['layers']} layers",
         "",
         f"{settings['prompts']} prompts ({_origin(settings)}), greedy, at most "
@@ -227,6 +227,12 @@ def _mismatch(m: dict[str, Any]) -> str:
         f"`{m['method']}` on {m['task']}/{m['prompt_id']}: first divergence from {REFERENCE} "
         f"at token {m['first_divergence']}"
     )
+
+
+def _weights(model: dict[str, Any]) -> str:
+    """The weight format the loaded model computed in, as the heading names it."""
+    named = {"native": "native GGUF blocks", "int8": "int8 (Q8_0) blocks"}
+    return named.get(model["weights"], f"{model['dtype']} weights")
 
 
 def _origin(settings: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ def model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -
         default=None,
         help="float32 (CPU default), bfloat16 (GPU default), float16, float64",
     )
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     parser.add_argument(
         "--weights",
         default="auto",
@@ -63,7 +63,7 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"decoding strategy (default: the preset's; {DEFAULT_STRATEGY} for fast, del for "
         "paper, the paper's DEL)",
     )
-    parser.add_argument("--exit-layer", type=int, help="exit layer E (static, fs, dv)")
+    parser.add_argument("--exit-layer", type=positive_int, help="exit layer E (static, fs, dv)")
     parser.add_argument("--draft-length", type=int, help="draft length d (static, fs)")
     parser.add_argument(
         "--option",
@@ -99,6 +99,28 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _draft_vocab(text: str) -> list[int | str] | str:
     if text in ("auto", "full"):
         return text
@@ -119,14 +141,22 @@ def _switch(text: str) -> bool | str:
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
-    """The `DecodeConfig` of the command line: `--preset`, updated with the flags given."""
+    """The `DecodeConfig` of the command line: `--preset`, updated with the flags given.
+    Checked against the model's depth (e.g. `--exit-layer`) before the model loads where its
+    config can be read alone (`model_depth`); else the load's own check reports it."""
     from delspec.decode_config import PRESETS, parse_option
+    from delspec.loading import model_depth
+    from delspec.policies import make_policy
 
     options = dict(parse_option(pair) for pair in args.option or ())
     for name in DECODE_FLAGS:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    return PRESETS[args.preset].updated(**options)
+    config = PRESETS[args.preset].updated(**options)
+    depth = model_depth(args.model)
+    if depth is not None:
+        make_policy(config, depth)
+    return config
 
 
 def load(args: argparse.Namespace) -> LoadedModel:

@@ -8,7 +8,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from delspec.cli.arguments import decode_arguments, decode_config, load, model_arguments
+from delspec.cli.arguments import (
+    decode_arguments,
+    decode_config,
+    load,
+    model_arguments,
+    positive_int,
+    positive_number,
+)
 from delspec.errors import ConfigError, DelspecError
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
@@ -20,16 +27,22 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
     model_arguments(gen)
     decode_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
     gen.set_defaults(func=cmd_generate)
+
+
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,8 +85,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     s = result.stats
     console.print()
+    seconds = (s.prefill_ms + s.decode_ms_per_token * s.new_tokens) / 1000
+    end_to_end = s.new_tokens / seconds if seconds > 0 else 0.0
     summary = (
-        f"{s.new_tokens} tokens · {s.tokens_per_s:.1f} tok/s · prefill {s.prefill_ms:.0f} ms · "
+        f"{s.new_tokens} tokens · decode {s.tokens_per_s:.1f} tok/s · prefill "
+        f"{s.prefill_ms:.0f} ms · end-to-end {end_to_end:.1f} tok/s · "
         f"strategy {result.strategy}"
     )
     if s.drafted:
@@ -128,6 +144,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv.add_argument(
+        "--max-body-mb",
+        type=positive_number,
+        help="largest request body in MiB; larger ones get 413 (default: 4)",
+    )
+    srv.add_argument(
         "--replicas",
         type=int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -152,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_batch": args.max_batch,
         "context": args.context,
         "request_timeout": args.timeout,
+        "max_body_mb": args.max_body_mb,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:
@@ -238,7 +260,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         f"NAME one of: {', '.join(METHODS)}; ar is always included",
     )
     bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
     bench.add_argument(
         "--repeats",
         type=int,
@@ -292,7 +314,9 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     cal.add_argument("--rank", type=int, default=64, help="adapter rank")
     cal.add_argument("--layers", help="exit layers, e.g. 8-29 or 10,20 (default: all)")
-    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    cal.add_argument(
+        "--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt"
+    )
     cal.add_argument(
         "--steps", type=int, default=50, help="Adam steps per layer after the closed-form fit"
     )

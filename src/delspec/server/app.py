@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for a slot unless max_queue says
 DEFAULT_CONTEXT = 4096  # positions per request (and cache slot) unless --context says
+DEFAULT_MAX_BODY_MB = 4.0  # request bodies past this many MiB get 413 unless --max-body-mb says
 
 
 def create_app(
@@ -49,6 +50,7 @@ def create_app(
     queue_timeout: float | None = None,
     model_name: str | None = None,
     aliases: tuple[str, ...] = (),
+    max_body_mb: float | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
     request's `delspec` options update.
@@ -59,10 +61,12 @@ def create_app(
     `request_timeout` bounds a request from arrival to its last token, `queue_timeout`
     (default: `request_timeout`) its wait in the queue. `model_name` (default `lm.name`) is the
     id the server lists; clients may also name the model by any of `aliases` (e.g. the name it
-    was loaded by). Raises `ConfigError` for invalid settings.
+    was loaded by). A request body of more than `max_body_mb` MiB (default:
+    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`).
+    Raises `ConfigError` for invalid settings.
     """
     config, context, queue_timeout = check_options(
-        lm, config, max_queue, max_batch, context, request_timeout, queue_timeout
+        lm, config, max_queue, max_batch, context, request_timeout, queue_timeout, max_body_mb
     )
     if max_batch is None:
         max_batch = measured_max_batch(lm.model)
@@ -79,6 +83,8 @@ def create_app(
         await asyncio.to_thread(worker.close)
 
     app = FastAPI(title="delspec", lifespan=lifespan)
+    max_bytes = int((max_body_mb or DEFAULT_MAX_BODY_MB) * 2**20)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)  # inside the counter, which counts 413s
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)
     _add_error_handlers(app)
     _add_routes(app, service, metrics)
@@ -93,6 +99,7 @@ def check_options(
     context: int | None,
     request_timeout: float,
     queue_timeout: float | None,
+    max_body_mb: float | None = None,
 ) -> tuple[DecodeConfig, int, float]:
     """`create_app`'s settings checked (`ConfigError` for the first bad one) and completed:
     the config, the context and the queue timeout, defaults filled in."""
@@ -103,6 +110,8 @@ def check_options(
         raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
     if max_batch is not None and max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+    if max_body_mb is not None and not 0 < max_body_mb < float("inf"):
+        raise ConfigError(f"max_body_mb must be > 0, got {max_body_mb}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
     if request_timeout <= 0 or queue_timeout <= 0:
         raise ConfigError(
@@ -113,6 +122,56 @@ def check_options(
     if not 2 <= context <= limit:
         raise ConfigError(f"context must be 2..{limit} (the model's), got {context}")
     return config, context, queue_timeout
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is more than `max_bytes` gets 413 (an OpenAI error
+    object) without the body being read whole: at once when its Content-Length says so, else as
+    soon as the bytes received pass the limit (a chunked body). The application then sees the
+    client disconnect, and what it would answer is dropped; the server discards the rest of the
+    body as it arrives."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        received, refused = 0, False
+
+        async def limited_receive() -> dict:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    await self._refuse(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        limit = f"{self.max_bytes / 2**20:g} MiB"
+        error = APIError(
+            413,
+            f"the request body is larger than this server's limit of {limit} "
+            "(delspec serve --max-body-mb)",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)
 
 
 def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:

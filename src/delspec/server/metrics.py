@@ -1,139 +1,113 @@
-"""Server counters in the Prometheus text format, and the middleware that counts responses."""
+"""Server metrics through `prometheus_client`, the middleware that counts responses, and the
+merging of several replicas' metrics."""
 
 from __future__ import annotations
 
 import statistics
-import threading
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from delspec.generate import Result
-
-
-class Histogram:
-    """A Prometheus histogram: counts of observations at or below each bound, sum, count."""
-
-    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
-        self.name, self.help_text, self.bounds = name, help_text, bounds
-        self.counts = [0] * len(bounds)
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self) -> list[str]:
-        out = _metric(self.name, "histogram", self.help_text)
-        pairs = zip(self.bounds, self.counts, strict=True)
-        out += [f'{self.name}_bucket{{le="{b:g}"}} {n}' for b, n in pairs]
-        return [
-            *out,
-            f'{self.name}_bucket{{le="+Inf"}} {self.count}',
-            f"{self.name}_sum {self.sum:g}",
-            f"{self.name}_count {self.count}",
-        ]
-
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """Server counters, rendered in the Prometheus text exposition format (version 0.0.4)."""
+    """A server's metrics in a registry of their own, rendered in the Prometheus text format
+    (version 0.0.4). Thread-safe."""
 
     def __init__(self, num_layers: int) -> None:
-        self._lock = threading.Lock()
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "delspec_requests",
+            "HTTP requests by endpoint and status.",
+            ("endpoint", "status"),
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "delspec_prompt_tokens", "Prompt tokens processed.", registry=registry
+        )
+        self.generated_tokens = Counter(
+            "delspec_generated_tokens", "Tokens generated.", registry=registry
+        )
+        self.drafted = Counter("delspec_draft_tokens", "Draft tokens proposed.", registry=registry)
+        self.accepted = Counter(
+            "delspec_accepted_draft_tokens", "Draft tokens accepted.", registry=registry
+        )
+        self.tokens_per_s = Gauge(
+            "delspec_tokens_per_second",
+            "Decoding speed of the last generation.",
+            registry=registry,
+        )
+        self.acceptance_rate = Gauge(
+            "delspec_acceptance_rate",
+            "Draft acceptance rate of the last generation that drafted.",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "delspec_queue_depth", "Requests waiting for a slot.", registry=registry
+        )
+        self.active = Gauge("delspec_active", "Generations running now.", registry=registry)
+        self.busy = Gauge("delspec_busy", "1 while a generation runs.", registry=registry)
+        self.exit_layer = Histogram(
+            "delspec_exit_layer",
+            "Exit layer of each drafting round.",
+            buckets=range(1, num_layers + 1),
+            registry=registry,
+        )
         self.batch_size = Histogram(
-            "delspec_batch_size", "Generations in each step.", (1, 2, 4, 8, 16, 32, 64)
+            "delspec_batch_size",
+            "Generations in each step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=registry,
         )
         self.queue_wait = Histogram(
-            "delspec_queue_wait_seconds", "Time a request waited for a slot.", _SECONDS
+            "delspec_queue_wait_seconds",
+            "Time a request waited for a slot.",
+            buckets=_SECONDS,
+            registry=registry,
         )
         self.first_token = Histogram(
             "delspec_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.",
-            _SECONDS,
-        )
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.prompt_tokens = self.generated_tokens = self.drafted = self.accepted = 0
-        self.last_tokens_per_s = self.last_acceptance_rate = 0.0
-        self.exit_layer = Histogram(
-            "delspec_exit_layer",
-            "Exit layer of each drafting round.",
-            tuple(range(1, num_layers + 1)),
+            buckets=_SECONDS,
+            registry=registry,
         )
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.requests[endpoint, status] += 1
+        self.requests.labels(endpoint, str(status)).inc()
 
     def observe_batch(self, size: int) -> None:
-        with self._lock:
-            self.batch_size.observe(size)
+        self.batch_size.observe(size)
 
     def observe_wait(self, seconds: float) -> None:
-        with self._lock:
-            self.queue_wait.observe(seconds)
+        self.queue_wait.observe(seconds)
 
     def observe_first_token(self, seconds: float) -> None:
-        with self._lock:
-            self.first_token.observe(seconds)
+        self.first_token.observe(seconds)
 
     def observe(self, result: Result) -> None:
         """Records a finished generation (which must have been traced)."""
         stats = result.stats
-        with self._lock:
-            self.prompt_tokens += stats.prompt_tokens
-            self.generated_tokens += stats.new_tokens
-            self.drafted += stats.drafted
-            self.accepted += stats.accepted
-            self.last_tokens_per_s = stats.tokens_per_s
-            self.last_acceptance_rate = stats.acceptance_rate
-            for entry in result.trace or ():
-                if entry["drafted"]:
-                    self.exit_layer.observe(entry["exit_layer"])
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.tokens_per_s.set(stats.tokens_per_s)
+        if stats.drafted:
+            self.acceptance_rate.set(stats.acceptance_rate)
+        for entry in result.trace or ():
+            if entry["drafted"]:
+                self.exit_layer.observe(entry["exit_layer"])
 
     def render(self, queue_depth: int, active: int) -> str:
-        with self._lock:
-            lines = _metric(
-                "delspec_requests_total", "counter", "HTTP requests by endpoint and status."
-            )
-            lines += [
-                f'delspec_requests_total{{endpoint="{e}",status="{s}"}} {n}'
-                for (e, s), n in sorted(self.requests.items())
-            ]
-            for name, kind, help_text, value in [
-                ("prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens),
-                ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
-                ("draft_tokens_total", "counter", "Draft tokens proposed.", self.drafted),
-                ("accepted_draft_tokens_total", "counter", "Draft tokens accepted.", self.accepted),
-                (
-                    "tokens_per_second",
-                    "gauge",
-                    "Decoding speed of the last generation.",
-                    self.last_tokens_per_s,
-                ),
-                (
-                    "acceptance_rate",
-                    "gauge",
-                    "Draft acceptance rate of the last generation.",
-                    self.last_acceptance_rate,
-                ),
-                ("queue_depth", "gauge", "Requests waiting for a slot.", queue_depth),
-                ("active", "gauge", "Generations running now.", active),
-                ("busy", "gauge", "1 while a generation runs.", int(active > 0)),
-            ]:
-                lines += [*_metric(f"delspec_{name}", kind, help_text), f"delspec_{name} {value}"]
-            for histogram in (self.exit_layer, self.batch_size, self.queue_wait, self.first_token):
-                lines += histogram.lines()
-        return "\n".join(lines) + "\n"
-
-
-def _metric(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        """The Prometheus text of every metric, with the queue's state as given."""
+        self.queue_depth.set(queue_depth)
+        self.active.set(active)
+        self.busy.set(int(active > 0))
+        return generate_latest(self.registry).decode()
 
 
 class RequestCounter:
@@ -173,7 +147,9 @@ _MERGED_BY: dict[str, Callable[[list[float]], float]] = {
 def merge_metrics(texts: list[str]) -> str:
     """The Prometheus texts of several replicas as one: every sample (counters, histogram
     buckets, queue depth, active) summed over replicas, except the last generation's speed and
-    acceptance (mean) and `busy` (max); `delspec_replicas` says how many were merged."""
+    acceptance (mean), `busy` (max) and the `_created` timestamps (the earliest);
+    `delspec_replicas` says how many were merged. Works on the text (prometheus_client's
+    multiprocess mode shares files between the processes of one machine, not replicas)."""
     families: dict[str, list[str]] = {}  # metric name -> its comment lines and sample keys
     values: dict[str, list[float]] = {}
     for text in [f"delspec_replicas {len(texts)}", *texts]:
@@ -188,10 +164,14 @@ def merge_metrics(texts: list[str]) -> str:
                 values[key] = []
                 families.setdefault(_family(key, families), []).append(key)
             values[key].append(float(value))
-    merged = _metric("delspec_replicas", "gauge", "Server replicas these metrics cover.")
+    merged = [
+        "# HELP delspec_replicas Server replicas these metrics cover.",
+        "# TYPE delspec_replicas gauge",
+    ]
     for line in (line for family in families.values() for line in family):
         if line in values:
-            total = _MERGED_BY.get(line.split("{")[0], sum)(values[line])
+            name = line.split("{")[0]
+            total = _MERGED_BY.get(name, min if name.endswith("_created") else sum)(values[line])
             line = f"{line} {int(total) if total.is_integer() else total}"
         merged.append(line)
     return "\n".join(merged) + "\n"

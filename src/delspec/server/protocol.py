@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from delspec.errors import ContextLengthError, DelspecError
-from delspec.generate import Result
+from delspec.generate import Result, checked_stop
 
 
 class GenerationRequest(BaseModel):
@@ -38,10 +38,8 @@ class GenerationRequest(BaseModel):
     def _stop_list(cls, value: Any) -> Any:
         if value is None:
             return []
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
+        if isinstance(value, str | list):
+            return checked_stop(value)
         raise ValueError("stop must be a string or a list of strings")
 
 
@@ -233,7 +231,7 @@ class Reply:
             }
             out["delspec"] = {
                 "strategy": result.strategy,
-                "acceptance_rate": round(stats.acceptance_rate, 4),
+                "acceptance_rate": round(stats.acceptance_rate, 4) if stats.drafted else None,
                 "mean_exit_layer": round(stats.mean_exit_layer, 3),
                 "tokens_per_s": round(stats.tokens_per_s, 3),
             }

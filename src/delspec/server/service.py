@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from delspec.decode_config import DecodeConfig
 from delspec.errors import ConfigError
-from delspec.generate import encode_prompt
+from delspec.generate import Prompt, encode_prompt
 from delspec.policies import make_policy
 from delspec.sampling import Sampling
 from delspec.server.protocol import (
@@ -57,8 +57,8 @@ class Service:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
         messages = [m.model_dump() for m in body.messages]
-        prompt_ids = encode_prompt(self.lm, messages)
-        self._check_prompt(prompt_ids, "messages")
+        prompt_ids = await self._encode(messages, "messages")
+        self._check_prompt(prompt_ids, "messages", "the conversation")
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
@@ -68,11 +68,8 @@ class Service:
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         self._check_common(body)
-        try:
-            prompt_ids = encode_prompt(self.lm, body.prompt)
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param="prompt") from exc
-        self._check_prompt(prompt_ids, "prompt")
+        prompt_ids = await self._encode(body.prompt, "prompt")
+        self._check_prompt(prompt_ids, "prompt", "the prompt")
         limit = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         top = body.logprobs
         return await self._complete(request, body, prompt_ids, limit, "max_tokens", top, chat=False)
@@ -112,13 +109,23 @@ class Service:
             raise APIError(400, str(exc), param="delspec") from exc
         return config
 
-    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
+    async def _encode(self, prompt: Prompt, param: str) -> list[int]:
+        """`encode_prompt` on a worker thread (a long text or chat template must not hold up
+        the event loop); a `ConfigError` is a 400 naming request field `param`."""
+        try:
+            return await asyncio.to_thread(encode_prompt, self.lm, prompt)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param) from exc
+
+    def _check_prompt(self, prompt_ids: list[int], param: str, name: str) -> None:
+        """400 unless the prompt of request field `param` (`name` in messages) has tokens
+        and leaves room in the context."""
         if not prompt_ids:
-            raise APIError(400, f"the {param} is empty", param=param)
+            raise APIError(400, f"{name} is empty", param=param)
         if len(prompt_ids) >= self.context:
             raise APIError(
                 400,
-                f"the {param} has {len(prompt_ids)} tokens but the context is {self.context} "
+                f"{name} has {len(prompt_ids)} tokens but the context is {self.context} "
                 "tokens (for a request's prompt and reply: the model's, or serve --context)",
                 param=param,
                 code="context_length_exceeded",
