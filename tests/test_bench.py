@@ -383,3 +383,23 @@ def test_table_heading_names_the_weight_format(tmp_path, weights, named):
     result = SimpleNamespace(model=model, environment=environment, settings=settings, ok=True)
     heading = _heading(result)
     assert f"· {named} on cpu · 30 layers" in heading[2]
+
+
+def test_draft_sources_table(tiny_dir, tmp_path):
+    """Methods that draft get a table of their rounds' draft sources per task."""
+    out = tmp_path / "out"
+    methods = "ar,lookup:ngram_min=1,static:E=2,d=3"
+    assert (
+        bench(tiny_dir, out, "--tasks", "humaneval", "--num-samples", "1", "--methods", methods)
+        == 0
+    )
+    overall = json.loads((out / "results.json").read_text())["aggregates"]["overall"]
+    lookup = overall["lookup:ngram_min=1"]
+    assert lookup["sources"]["layer"] == lookup["sources"]["mixed"] == 0.0
+    assert lookup["sources"]["context"] > 0 and lookup["layer_acceptance"] is None
+    static = overall["static:E=2,d=3"]
+    assert static["sources"]["layer"] == 1.0 and static["context_acceptance"] is None
+    table = (out / "table.md").read_text()
+    assert "## Draft sources" in table
+    assert "| humaneval | lookup:ngram_min=1 |" in table and "| overall | static:E=2,d=3 |" in table
+    assert "| ar |" not in table.split("## Draft sources")[1]

@@ -45,8 +45,9 @@ class Stats:
     etpl: float = 0.0  # sum(accepted + 1) / sum(E * T + L)
     mean_exit_layer: float = 0.0  # over rounds that drafted
     mean_draft_length: float = 0.0  # over all rounds
-    context_rounds: int = 0  # rounds that drafted from the context (mixed: then from a layer)
-    mixed_rounds: int = 0
+    layer_rounds: int = 0  # rounds with exit-layer drafts
+    context_rounds: int = 0  # rounds with context drafts
+    mixed_rounds: int = 0  # rounds with both (context drafts first)
     context_drafted: int = 0
     context_accepted: int = 0
     draft_s: float = 0.0
@@ -325,7 +326,7 @@ class _Totals:
     def __init__(self, num_layers: int, prompt_tokens: int) -> None:
         self.num_layers = num_layers
         self.stats = Stats(prompt_tokens=prompt_tokens)
-        self.layer_loads = self.exit_sum = self.drafting_rounds = 0
+        self.layer_loads = self.exit_sum = 0
 
     def add(self, record: Round, policy_s: float) -> None:
         """Count a finished round whose `observe` took `policy_s` seconds."""
@@ -345,7 +346,7 @@ class _Totals:
         self.layer_loads += record.exit_layer * (n - record.from_context) + self.num_layers
         if n > record.from_context:
             self.exit_sum += record.exit_layer
-            self.drafting_rounds += 1
+            stats.layer_rounds += 1
 
     def finish(self, new_tokens: int, prefill_s: float, decode_s: float) -> Stats:
         """The statistics of a generation of `new_tokens` tokens with these timings."""
@@ -358,7 +359,7 @@ class _Totals:
         loads = self.layer_loads
         stats.etpl = (stats.accepted + stats.rounds) / loads if loads else 0.0
         stats.mean_draft_length = stats.drafted / stats.rounds if stats.rounds else 0.0
-        rounds = self.drafting_rounds
+        rounds = stats.layer_rounds
         stats.mean_exit_layer = self.exit_sum / rounds if rounds else 0.0
         stats.policy_share = stats.policy_s / decode_s if decode_s > 0 else 0.0
         return stats

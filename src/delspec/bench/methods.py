@@ -58,9 +58,9 @@ METHODS: dict[str, MethodSpec] = {
     "del-fast": MethodSpec(
         "del-fast",
         description="the default, as `generate` runs it: DEL + measured cost model, no-draft "
-        "rounds, 1% shadow budget, acceptance in runs, int8 drafts, pruned draft vocabularies "
-        "(size chosen per round) with the context's tokens and the final layer, calibrated "
-        "adapters where they apply",
+        "rounds, context drafts (each round's source chosen by cost), 1% shadow budget, "
+        "acceptance in runs, int8 drafts, pruned draft vocabularies (size chosen per round) "
+        "with the context's tokens and the final layer, calibrated adapters where they apply",
     ),
     "static": MethodSpec(
         "static", PAPER_OPTIONS, description="LayerSkip self-speculation, fixed E and d"
@@ -76,6 +76,11 @@ METHODS: dict[str, MethodSpec] = {
     ),
     "dv": MethodSpec(
         "dv", PAPER_OPTIONS, description="fixed E; Draft & Verify's adaptive confidence threshold"
+    ),
+    "lookup": MethodSpec(
+        "lookup",
+        description="context drafts alone (prompt lookup: the tokens after the latest earlier "
+        "match of the newest 2-4 tokens), up to 4 a round; options draft_length, adaptive",
     ),
     "hf": MethodSpec(
         "greedy",

@@ -90,16 +90,58 @@ def _summary(rows: Sequence[dict[str, Any]], reference_speed: float) -> dict[str
     stats = [r["stats"] for r in rows if r["stats"] is not None]
     if len(stats) < len(rows):  # a peer
         return out | dict.fromkeys(
-            ("etpl", "acceptance_rate", "mean_exit_layer", "mean_draft_length", "policy_share")
+            (
+                "etpl",
+                "acceptance_rate",
+                "mean_exit_layer",
+                "mean_draft_length",
+                "policy_share",
+                "sources",
+                "context_acceptance",
+                "layer_acceptance",
+            )
         )
+    return out | _speculation(stats, wall)
+
+
+def _speculation(stats: Sequence[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """Drafting statistics pooled over delspec generations' `stats` (wall: their seconds), with
+    the rounds' draft sources: shares of rounds drafting from the context alone, from an exit
+    layer alone, from both, and of plain rounds; each source's acceptance."""
     drafted = sum(s["drafted"] for s in stats)
     rounds = sum(s["rounds"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
-    exits = [s["mean_exit_layer"] for s in stats if s["drafted"]]
-    return out | {
+    exits = [s["mean_exit_layer"] for s in stats if s.get("layer_rounds", s["drafted"])]
+    pooled = {k: sum(s.get(k, 0) for s in stats) for k in _SOURCE_COUNTS}
+    layer_drafted = drafted - pooled["context_drafted"]
+    layer_accepted = accepted - pooled["context_accepted"]
+    both = pooled["mixed_rounds"]
+    shares = {
+        "context": pooled["context_rounds"] - both,
+        "layer": pooled["layer_rounds"] - both,
+        "mixed": both,
+        "plain": rounds - pooled["context_rounds"] - pooled["layer_rounds"] + both,
+    }
+    return {
         "etpl": round(statistics.fmean(s["etpl"] for s in stats), 5),
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mean_exit_layer": round(statistics.fmean(exits), 3) if exits else None,
         "mean_draft_length": round(drafted / rounds, 3) if rounds else 0.0,
         "policy_share": round(sum(s["policy_s"] for s in stats) / wall, 4),
+        "sources": {k: round(v / rounds, 4) if rounds else 0.0 for k, v in shares.items()},
+        "context_acceptance": _ratio(pooled["context_accepted"], pooled["context_drafted"]),
+        "layer_acceptance": _ratio(layer_accepted, layer_drafted),
     }
+
+
+_SOURCE_COUNTS = (
+    "layer_rounds",
+    "context_rounds",
+    "mixed_rounds",
+    "context_drafted",
+    "context_accepted",
+)
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None

@@ -136,7 +136,44 @@ def _details(result: BenchResult) -> list[str]:
             f"{_num(m['policy_share'], '.1%')} | {_num(rss.get('peak_mib'), '.0f')} / "
             f"{_num(rss.get('process_peak_mib'), '.0f')} | {'yes' if m['lossless'] else 'NO'} |"
         )
-    return [*lines, "", *_details_notes(result)]
+    return [*lines, "", *_details_notes(result), *_sources(result)]
+
+
+def _sources(result: BenchResult) -> list[str]:
+    """Per task, for each method that drafted: where its rounds' drafts came from, and how
+    many of each source's draft tokens were accepted."""
+    tasks = [*result.settings["tasks"], OVERALL]
+    drafting = [
+        method
+        for method in result.methods
+        if (result.aggregates[OVERALL][method].get("sources") or {}).get("plain", 1.0) < 1.0
+    ]
+    if not drafting:
+        return []
+    lines = [
+        "## Draft sources",
+        "",
+        "| Task | Method | context only | exit layer only | context + exit layer | plain "
+        "| context acceptance | exit-layer acceptance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for task in tasks:
+        for method in drafting:
+            m = result.aggregates[task][method]
+            shares = m["sources"]
+            lines.append(
+                f"| {task} | {method} | "
+                + " | ".join(_num(shares[k], ".1%") for k in ("context", "layer", "mixed", "plain"))
+                + f" | {_num(m['context_acceptance'], '.1%')} | "
+                f"{_num(m['layer_acceptance'], '.1%')} |"
+            )
+    return [
+        *lines,
+        "",
+        "Shares of rounds by where their drafts came from (a plain round drafts nothing); "
+        "acceptance: accepted over drafted tokens of each source.",
+        "",
+    ]
 
 
 def summary_lines(result: BenchResult) -> list[str]:
