@@ -20,13 +20,13 @@
  * group's rows lie together: values q [G][M][32], and per group and row the scale d, d times the
  * sum of q over the group (`sum`, [G][M]) and over each half (`half`, [G][M][2]); and x itself
  * (row r at x + r * ldx, for the float16 / bfloat16 weights, multiplied in float: it must stay
- * as it is until the products are done). A view of rows m0.. of another Activations moves the
- * pointers by m0 rows and keeps M, the rows per group. */
+ * as it is until the products are done). */
 typedef struct {
     int8_t *q;
     float *d, *sum, *half;
+    int64_t K, G, M;
     const float *x;
-    int64_t K, G, M, ldx;
+    int64_t ldx;
 } Activations;
 
 /* Bytes of Activations for M rows of K values; `dl_activations_at` lays them out in `memory`
