@@ -112,6 +112,16 @@ def test_real_smollm2_head_rows(smollm2_tensors):
     check_real_blocks(tensor.tensor_type, np.array(tensor.data[::97]), int(tensor.shape[0]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", sorted(FLOAT_TYPES), ids=lambda t: t.name)
+def test_real_values_in_float16_and_bfloat16(smollm2_tensors, qtype):
+    """No file here holds F16 / BF16 weights: SmolLM2's real values, converted by gguf."""
+    tensor = smollm2_tensors["blk.3.ffn_up.weight"]
+    values = dequantize(np.array(tensor.data), tensor.tensor_type)
+    raw = np.ascontiguousarray(gguf.quantize(values, qtype)).view(np.uint8)
+    check_real_blocks(qtype, raw, int(tensor.shape[0]))
+
+
 def check_real_blocks(qtype: T, raw: np.ndarray, cols: int) -> None:
     check_product(BlockWeight.from_blocks(qtype, torch.from_numpy(raw), cols), qtype, raw)
 
