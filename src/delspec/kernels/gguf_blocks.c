@@ -38,9 +38,14 @@
 #define TILE 8     /* weight rows per tile */
 #define MAX_ROWS 8 /* rows of x per pass over a tile */
 /* F16 / BF16: independent float sums per output (enough to hide the latency of the multiply-adds
- * at M = 1), and rows of x per pass over a tile (their sums in registers). */
+ * at M = 1), and rows of x per pass over a tile (their FLOAT_ROWS * FLOAT_CHAINS sums held in
+ * registers: 32 vector registers with AVX-512, 16 without). */
 #define FLOAT_CHAINS 4
+#ifdef __AVX512VL__
+#define FLOAT_ROWS 4
+#else
 #define FLOAT_ROWS 2
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1 /* VNNI dot products on 256-bit vectors: AVX-512's encoding... */
 #define dot_bytes _mm256_dpbusd_epi32
@@ -741,12 +746,18 @@ static void tile_float(int type, const Layout *unused, const uint8_t *tile, cons
     for (int r0 = 0; r0 < rows; r0 += FLOAT_ROWS) {
         const float *x = a->x + (first + r0) * a->ldx;
         int n = rows - r0 < FLOAT_ROWS ? rows - r0 : FLOAT_ROWS, ahead = r0 == 0;
-        if (type == F16)
-            n == 1 ? float_rows(F16, tile, x, a->ldx, a->K, 1, ahead, out + r0)
-                   : float_rows(F16, tile, x, a->ldx, a->K, FLOAT_ROWS, ahead, out + r0);
-        else
-            n == 1 ? float_rows(BF16, tile, x, a->ldx, a->K, 1, ahead, out + r0)
-                   : float_rows(BF16, tile, x, a->ldx, a->K, FLOAT_ROWS, ahead, out + r0);
+        switch (n * 2 + (type == F16)) { /* one specialised copy per row count and type */
+#define FLOAT_CASE(n)                                                                        \
+    case 2 * n: float_rows(BF16, tile, x, a->ldx, a->K, n, ahead, out + r0); break;          \
+    case 2 * n + 1: float_rows(F16, tile, x, a->ldx, a->K, n, ahead, out + r0); break;
+            FLOAT_CASE(1)
+            FLOAT_CASE(2)
+#if FLOAT_ROWS == 4
+            FLOAT_CASE(3)
+            FLOAT_CASE(4)
+#endif
+#undef FLOAT_CASE
+        }
     }
 }
 #endif
