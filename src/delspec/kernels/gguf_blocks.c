@@ -41,6 +41,7 @@
  * at M = 1), and rows of x per pass over a tile (their FLOAT_ROWS * FLOAT_CHAINS sums held in
  * registers: 32 vector registers with AVX-512, 16 without). */
 #define FLOAT_CHAINS 4
+_Static_assert(FLOAT_CHAINS == 4, "the float sums are added in two pairs");
 #ifdef __AVX512VL__
 #define FLOAT_ROWS 4
 #else
