@@ -67,10 +67,11 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, qtype: T) -> torch.Tensor:
     off by at most half its block's step amax/127, so a product is off by at most
     sum over blocks of step/2 * sum |w| over the block (plus float32 accumulation slack).
     F16 / BF16 products take x as it is: only float32 rounding, at most one unit (2^-24) per
-    addition a term goes through (K / FLOAT_CHAINS + 2) and one for its product."""
+    addition a term goes through (K / FLOAT_CHAINS + 2), one for its product and one to spare
+    for the second-order terms."""
     magnitude = x.double().abs() @ w.double().abs().T
     if qtype in FLOAT_TYPES:
-        return (x.shape[-1] / FLOAT_CHAINS + 3) * 2.0**-24 * magnitude
+        return (x.shape[-1] / FLOAT_CHAINS + 4) * 2.0**-24 * magnitude
     step = x.double().reshape(len(x), -1, 32).abs().amax(-1) / 127
     weight_mass = w.double().abs().reshape(len(w), -1, 32).sum(-1)
     return 0.5 * step @ weight_mass.T + 1e-5 * magnitude
