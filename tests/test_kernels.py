@@ -28,16 +28,28 @@ HALF_FIELDS = {
     T.Q5_0: [0],
     T.Q5_1: [0, 2],
     T.Q8_0: [0],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
 }
+# Weights multiplied in float (with x as it is), not with 8-bit activations.
+FLOAT_TYPES = frozenset({T.F16, T.BF16})
+FLOAT_CHAINS = 4  # independent float sums per output (`gguf_blocks.c`)
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the GGUF kernels")
 
 
 def synthetic_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random blocks of `qtype` (every bit pattern of the integer fields, sane float16 scales)."""
+    """Random blocks of `qtype` (every bit pattern of the integer fields, sane float16 scales);
+    F16 / BF16: every sign and mantissa, exponents over 2^-30..2^3 (F16's subnormals too)."""
     rng = np.random.default_rng(seed)
+    if qtype in FLOAT_TYPES:
+        bits = rng.integers(0, 1 << 16, (rows, cols), dtype=np.uint16)
+        bias, mantissa = (15, 10) if qtype == T.F16 else (127, 7)
+        exponent = rng.integers(max(bias - 30, 0), bias + 4, (rows, cols), dtype=np.uint16)
+        bits = (bits & np.uint16(0x8000 | ((1 << mantissa) - 1))) | (exponent << mantissa)
+        return bits.view(np.uint8)
     values, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
     for offset in HALF_FIELDS[qtype]:
@@ -50,14 +62,19 @@ def synthetic_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarra
     return blocks.reshape(rows, -1)
 
 
-def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def error_bound(x: torch.Tensor, w: torch.Tensor, qtype: T) -> torch.Tensor:
     """Bound on |kernel - exact| from 8-bit activation rounding: each x in a block of 32 is
     off by at most half its block's step amax/127, so a product is off by at most
-    sum over blocks of step/2 * sum |w| over the block (plus float32 accumulation slack)."""
+    sum over blocks of step/2 * sum |w| over the block (plus float32 accumulation slack).
+    F16 / BF16 products take x as it is: only float32 rounding, at most one unit (2^-24) per
+    addition a term goes through (K / FLOAT_CHAINS + 2), one for its product and one to spare
+    for the second-order terms."""
+    magnitude = x.double().abs() @ w.double().abs().T
+    if qtype in FLOAT_TYPES:
+        return (x.shape[-1] / FLOAT_CHAINS + 4) * 2.0**-24 * magnitude
     step = x.double().reshape(len(x), -1, 32).abs().amax(-1) / 127
     weight_mass = w.double().abs().reshape(len(w), -1, 32).sum(-1)
-    exact = x.double() @ w.double().T
-    return 0.5 * step @ weight_mass.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 0 * exact
+    return 0.5 * step @ weight_mass.T + 1e-5 * magnitude
 
 
 def check_product(weight: BlockWeight, qtype: T, raw: np.ndarray, rows: int = 16) -> None:
@@ -65,7 +82,7 @@ def check_product(weight: BlockWeight, qtype: T, raw: np.ndarray, rows: int = 16
     x = torch.randn(rows, weight.cols, generator=torch.Generator().manual_seed(1))
     got = weight(x).double()
     exact = x.double() @ reference.T
-    bound = error_bound(x, reference)
+    bound = error_bound(x, reference, qtype)
     assert bool(((got - exact).abs() <= bound).all()), qtype.name
     # well inside the bound too: the error is a sum of independent roundings
     assert float((got - exact).abs().max()) < 0.5 * float(bound.max())
@@ -94,6 +111,16 @@ def test_real_smollm2_blocks(smollm2_tensors, name):
 def test_real_smollm2_head_rows(smollm2_tensors):
     tensor = smollm2_tensors["token_embd.weight"]  # Q8_0, the tied LM head
     check_real_blocks(tensor.tensor_type, np.array(tensor.data[::97]), int(tensor.shape[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", sorted(FLOAT_TYPES), ids=lambda t: t.name)
+def test_real_values_in_float16_and_bfloat16(smollm2_tensors, qtype):
+    """No file here holds F16 / BF16 weights: SmolLM2's real values, converted by gguf."""
+    tensor = smollm2_tensors["blk.3.ffn_up.weight"]
+    values = dequantize(np.array(tensor.data), tensor.tensor_type)
+    raw = np.ascontiguousarray(gguf.quantize(values, qtype)).view(np.uint8)
+    check_real_blocks(qtype, raw, int(tensor.shape[0]))
 
 
 def check_real_blocks(qtype: T, raw: np.ndarray, cols: int) -> None:
@@ -205,8 +232,9 @@ def test_malformed_blocks_are_refused():
         BlockWeight.from_blocks(T.Q4_1, raw[:, :-1], 64)  # a byte short per row
     with pytest.raises(ModelFormatError, match="not whole Q4_K blocks"):
         BlockWeight.from_blocks(T.Q4_K, raw, 64)
-    with pytest.raises(ModelFormatError, match="no block kernel"):
-        BlockWeight.from_blocks(T.F16, raw, 64)
+    refusal = r"no block kernel for GGUF type IQ4_NL \(supported: F16, Q4_0, .*, Q6_K, BF16\)"
+    with pytest.raises(ModelFormatError, match=refusal):
+        BlockWeight.from_blocks(T.IQ4_NL, raw, 64)
 
 
 def test_fallback_is_announced_and_used(tmp_path):

@@ -4,6 +4,7 @@ rows are computed together; a whole layer range in one call equal to the layer-b
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from delspec.modules import apply_rope, rope_inv_freq, rope_table
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
 HEADS, KV_HEADS, DIM, LENGTH = 6, 2, 16, 40
+T = gguf.GGMLQuantizationType
 
 
 def reference(qkv, cos, sin, cache, start, window, scale, norms):
@@ -136,13 +138,22 @@ FAMILIES = {
 }
 
 
+@pytest.mark.parametrize(
+    "family, block_type",
+    [(family, T.Q8_0) for family in FAMILIES] + [("llama", T.F16), ("llama", T.BF16)],
+    ids=lambda v: v.name if isinstance(v, T) else v.split(" ")[0],
+)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("family", list(FAMILIES), ids=lambda f: f.split(" ")[0])
-def test_compiled_layer_range_equals_one_operation_at_a_time(family, threads, monkeypatch):
+def test_compiled_layer_range_equals_one_operation_at_a_time(
+    family, block_type, threads, monkeypatch
+):
     """A model on block weights runs its layers in one compiled call (`dl_layers`): the same bits
     as the layer-by-layer path (states, collected states, cache), and each row the same whether
-    computed alone or with others (fewer and more rows than the cache is written ahead for)."""
-    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, **FAMILIES[family])
+    computed alone or with others (fewer and more rows than the cache is written ahead for).
+    F16 / BF16 weights take the float rows themselves, which the compiled call must keep."""
+    model = tiny_model(
+        seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **FAMILIES[family]
+    )
     model.setup_cache(32)
     compiled = model.compiled_layers()
     assert compiled is not None

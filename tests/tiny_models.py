@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -47,11 +48,13 @@ def tiny_model(
     shallow: int | None = None,
     residual_scale: float = 0.05,
     blocks: bool = False,
+    block_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
     **overrides,
 ) -> Transformer:
     """A random model; with `shallow=k`, layers k.. barely change the residual stream, so early
     exits at or after layer k agree with the final layer most of the time (drafts get accepted).
-    With `blocks`, its linear weights and embedding are then held as Q8_0 blocks (format int8).
+    With `blocks`, its linear weights and embedding are then held as `block_type` blocks (Q8_0,
+    F16 or BF16: the types gguf's Python quantises; format int8).
     """
     torch.manual_seed(seed)
     model = build_model(tiny_config(**overrides), dtype=dtype)
@@ -71,17 +74,15 @@ def tiny_model(
         named["embedding"] = model.embedding.weight
         if model.config.tie_embeddings:
             named.pop("lm_head")
-        model.use_blocks({n: q8_0(w) for n, w in named.items()}, "int8")
+        model.use_blocks({n: as_blocks(w, block_type) for n, w in named.items()}, "int8")
     return model
 
 
-def q8_0(weight: torch.Tensor) -> BlockWeight:
-    """`weight` as Q8_0 blocks."""
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
+def as_blocks(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> BlockWeight:
+    """`weight` as blocks of `qtype`, quantised by gguf."""
     values = weight.detach().float().numpy()
-    return BlockWeight.from_blocks(
-        q8_0, torch.from_numpy(gguf.quantize(values, q8_0)), values.shape[1]
-    )
+    raw = np.ascontiguousarray(gguf.quantize(values, qtype)).view(np.uint8)
+    return BlockWeight.from_blocks(qtype, torch.from_numpy(raw), values.shape[1])
 
 
 TEMPLATE = (

@@ -21,7 +21,7 @@ from torch import Tensor
 from delspec.architectures import ModelConfig
 from delspec.checkpoint import FUSED_LINEARS
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
+from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
 from delspec.kernels.build import library
 from delspec.model import WEIGHT_FORMATS
 
@@ -116,8 +116,8 @@ def native_blocks(gguf_path: Path, index_path: Path, config: ModelConfig) -> dic
         blocks[module] = BlockWeight.stack(parts)
     if floats:
         print(
-            f"delspec: tensors of type {', '.join(sorted(floats))} have no block kernel; "
-            "their layers are kept in float",
+            f"delspec: tensors of type {', '.join(sorted(floats))} have no block kernel "
+            f"(supported: {kernel_type_names()}); their layers are kept in float",
             file=sys.stderr,
             flush=True,
         )

@@ -21,15 +21,25 @@ from delspec.kernels.build import library
 
 _T = gguf.GGMLQuantizationType
 # The types the compiled kernels multiply (the others are dequantised at load).
-KERNEL_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
+KERNEL_TYPES = frozenset(
+    {_T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0}
+    | {_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K}
+)
 TILE = 8  # weight rows per tile (`gguf_blocks.c`)
+
+
+def kernel_type_names() -> str:
+    """The names of `KERNEL_TYPES`, in GGUF's order, for messages."""
+    return ", ".join(t.name for t in sorted(KERNEL_TYPES))
 
 
 def row_bytes(qtype: gguf.GGMLQuantizationType, cols: int) -> int:
     """Bytes one row of `cols` values takes in `qtype` (ModelFormatError if not whole blocks)."""
     values, size = gguf.GGML_QUANT_SIZES[qtype]
-    if cols % values:
-        raise ModelFormatError(f"a row of {cols} values is not whole {qtype.name} blocks")
+    if cols % max(values, 32):  # the tiles take F16 / BF16 rows 32 values at a time
+        raise ModelFormatError(
+            f"a row of {cols} values is not whole {qtype.name} blocks of {max(values, 32)}"
+        )
     return cols // values * size
 
 
@@ -72,7 +82,9 @@ class BlockWeight:
         blocks, repacked here into tiles."""
         qtype = gguf.GGMLQuantizationType(qtype)
         if qtype not in KERNEL_TYPES:
-            raise ModelFormatError(f"no block kernel for GGUF type {qtype.name}")
+            raise ModelFormatError(
+                f"no block kernel for GGUF type {qtype.name} (supported: {kernel_type_names()})"
+            )
         expected = (data.shape[0] if data.dim() == 2 else -1, row_bytes(qtype, cols))
         if data.dtype != torch.uint8 or tuple(data.shape) != expected:
             raise ModelFormatError(

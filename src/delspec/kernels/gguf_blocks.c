@@ -9,9 +9,12 @@
  *
  * x (float32, M rows) is quantised once per call to 8 bits per group of 32 values (scale =
  * amax / 127, round to nearest). Every weight group of 32 values is (unsigned values q, scale s,
- * minimum m) with w = s * q + m per half of 16 (Q6_K has a scale per 16), except Q8_0, whose
- * values are signed; a group's contribution to an output is (s * d_x) * dot(q, q_x) +
- * m * d_x * sum(q_x), integer dot products and explicit fused multiply-adds.
+ * minimum m) with w = s * q + m per half of 16 (Q2_K, Q3_K and Q6_K have a scale and minimum per
+ * 16), except Q8_0, whose values are signed; a group's contribution to an output is
+ * (s * d_x) * dot(q, q_x) + m * d_x * sum(q_x), integer dot products and explicit fused
+ * multiply-adds. Float16 and bfloat16 weights (F16, BF16) are multiplied in float instead, with
+ * x as it is: converted to float32 they are exact, so their products need no error bound beyond
+ * float32 accumulation (and 8-bit activations would add one for no saving in bytes).
  *
  * Each output element is computed by the same sequence of operations whatever M, the row's place
  * in the call and the thread count: threads split tiles only, rows of x are taken a few at a time
@@ -34,6 +37,16 @@
 #define GROUP 32
 #define TILE 8     /* weight rows per tile */
 #define MAX_ROWS 8 /* rows of x per pass over a tile */
+/* F16 / BF16: independent float sums per output (enough to hide the latency of the multiply-adds
+ * at M = 1), and rows of x per pass over a tile (their FLOAT_ROWS * FLOAT_CHAINS sums held in
+ * registers: 32 vector registers with AVX-512, 16 without). */
+#define FLOAT_CHAINS 4
+_Static_assert(FLOAT_CHAINS == 4, "the float sums are added in two pairs");
+#ifdef __AVX512VL__
+#define FLOAT_ROWS 4
+#else
+#define FLOAT_ROWS 2
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1 /* VNNI dot products on 256-bit vectors: AVX-512's encoding... */
 #define dot_bytes _mm256_dpbusd_epi32
@@ -44,38 +57,52 @@
 #define VNNI 0
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum {
+    F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+    Q5_K = 13, Q6_K = 14, BF16 = 30
+};
+
+/* Types whose groups have a scale and minimum per half of 16 values. */
+static inline int per_half(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
 
 /* ---- layouts ---------------------------------------------------------------------------- */
 
 /* A type's GGUF block and tile block. A tile block holds 8 rows' `values` values: per-row
- * fields first (float16 scales and minimums, 6-bit K-quant scales as bytes), then each group of
- * 32 values at head + g * group_bytes:
- *   low 4 bits as nibbles (128 bytes): value 4v + i of row l (v = 0..7, i = 0..3) in byte
- *     32 (v / 2) + 4 l + i, the low nibble for even v, the high one for odd v;
- *   5 bits: then one bit plane (32 bytes): bit v of byte 4 l + i;
- *   6 bits: then two 2-bit planes (64 bytes): bits 2 (v % 4) of byte 32 (v / 4) + 4 l + i;
- *   8 bits (Q8_0): one byte per value, 32 v + 4 l + i. */
+ * fields first (float16 scales and minimums, K-quant sub-block scales as bytes), then each group
+ * of 32 values at head + g * group_bytes, its bits in two areas: the `low` bits first, then the
+ * `high` bits (0, 1 or 2) at 32 * low bytes on. In an area of width w bits, value 4v + i of row l
+ * (v = 0..7, i = 0..3) is bits w (v % (8 / w)) of byte 32 (v / (8 / w)) + 4 l + i: one 256-bit
+ * vector carries value v's 4 consecutive columns of every row. So:
+ *   4 low bits as nibbles (128 bytes), the low nibble for even v, the high one for odd v;
+ *   2 low bits as 2-bit planes (64 bytes); 8 bits (Q8_0) as bytes (256 bytes);
+ *   a 5th bit (Q5_*) or 3rd (Q3_K) as one bit plane (32 bytes), bit v of byte 4 l + i;
+ *   the 5th and 6th bits (Q6_K) as two 2-bit planes (64 bytes).
+ * Float16 and bfloat16 (low = 16): value c of row l is the 2 bytes at 16 c + 2 l, so that 16
+ * bytes hold one column of every row. */
 typedef struct {
-    int values;      /* per block: 32 or 256 */
+    int values;      /* per block: 32 or 256 (F16 / BF16: 32 values, 64 bytes) */
     int gguf_bytes;  /* GGUF block */
     int tile_bytes;  /* tile block (8 rows) */
-    int bits;        /* 4, 5, 6 or 8 */
+    int low, high;   /* bits per value in the two areas: low 2, 4, 8 or 16, high 0, 1 or 2 */
     int head;        /* offset of group 0's values in a tile block */
     int group_bytes; /* bytes of one group's values (8 rows) */
 } Layout;
 
-static int layout_of(int type, Layout *l) {
+static inline __attribute__((always_inline)) int layout_of(int type, Layout *l) {
     switch (type) {
-    case Q4_0: *l = (Layout){32, 18, 144, 4, 16, 128}; return 1;
-    case Q4_1: *l = (Layout){32, 20, 160, 4, 32, 128}; return 1;
-    case Q5_0: *l = (Layout){32, 22, 176, 5, 16, 160}; return 1;
-    case Q5_1: *l = (Layout){32, 24, 192, 5, 32, 160}; return 1;
-    case Q8_0: *l = (Layout){32, 34, 272, 8, 16, 256}; return 1;
-    case Q4_K: *l = (Layout){256, 144, 1184, 4, 160, 128}; return 1;
-    case Q5_K: *l = (Layout){256, 176, 1440, 5, 160, 160}; return 1;
-    case Q6_K: *l = (Layout){256, 210, 1680, 6, 144, 192}; return 1;
-    default: return 0;
+    case F16:
+    case BF16: *l = (Layout){32, 64, 512, 16, 0, 0, 512}; return 1;
+    case Q4_0: *l = (Layout){32, 18, 144, 4, 0, 16, 128}; return 1;
+    case Q4_1: *l = (Layout){32, 20, 160, 4, 0, 32, 128}; return 1;
+    case Q5_0: *l = (Layout){32, 22, 176, 4, 1, 16, 160}; return 1;
+    case Q5_1: *l = (Layout){32, 24, 192, 4, 1, 32, 160}; return 1;
+    case Q8_0: *l = (Layout){32, 34, 272, 8, 0, 16, 256}; return 1;
+    case Q2_K: *l = (Layout){256, 84, 672, 2, 0, 160, 64}; return 1;
+    case Q3_K: *l = (Layout){256, 110, 912, 2, 1, 144, 96}; return 1;
+    case Q4_K: *l = (Layout){256, 144, 1184, 4, 0, 160, 128}; return 1;
+    case Q5_K: *l = (Layout){256, 176, 1440, 4, 1, 160, 160}; return 1;
+    case Q6_K: *l = (Layout){256, 210, 1680, 4, 2, 144, 192}; return 1;
+    default: *l = (Layout){0}; return 0;
     }
 }
 
@@ -92,8 +119,10 @@ static int fields_of(int type, Field *f) {
     case Q8_0: f[0] = (Field){0, 2, 1}; return 1;
     case Q4_1:
     case Q5_1: f[0] = (Field){0, 2, 2}; return 1;
+    case Q2_K: /* d, dmin; per sub-block of 16 the file's byte (scale | minimum << 4) */
     case Q4_K:
     case Q5_K: f[0] = (Field){0, 2, 2}, f[1] = (Field){32, 1, 16}; return 2;
+    case Q3_K: /* d; per sub-block of 16 its signed scale */
     case Q6_K: f[0] = (Field){0, 2, 1}, f[1] = (Field){16, 1, 16}; return 2;
     default: return 0;
     }
@@ -124,6 +153,18 @@ static float half_to_float(uint16_t h) {
 #endif
 }
 
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* An F16 or BF16 value from its bits (exact). */
+static float float_value(int type, unsigned bits) {
+    return type == F16 ? half_to_float((uint16_t)bits) : bf16_to_float((uint16_t)bits);
+}
+
 static float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -141,9 +182,18 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* The 32 values of group g of a GGUF block (unsigned; Q8_0's as their signed bytes). */
-static void gguf_values(int type, const uint8_t *b, int g, uint8_t *q) {
+/* Q3_K: the signed 6-bit scale of sub-block j (0..15) from the 12 packed bytes. */
+static int q3_scale(const uint8_t *s, int j) {
+    int low = j < 8 ? s[j] & 0x0f : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (low | high << 4) - 32;
+}
+
+/* The 32 values of group g of a GGUF block (unsigned; Q8_0's as their signed bytes; F16's and
+ * BF16's as their bits). */
+static void gguf_values(int type, const uint8_t *b, int g, uint16_t *q) {
     switch (type) {
+    case F16:
+    case BF16: memcpy(q, b, 64); return;
     case Q4_0:
     case Q4_1: {
         const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
@@ -161,7 +211,20 @@ static void gguf_values(int type, const uint8_t *b, int g, uint8_t *q) {
         }
         return;
     }
-    case Q8_0: memcpy(q, b + 2, 32); return;
+    case Q8_0:
+        for (int i = 0; i < 32; ++i) q[i] = b[2 + i];
+        return;
+    case Q2_K:
+    case Q3_K: { /* 2 bits of value 32 g + i at bits 2 (g % 4) of byte 32 (g / 4) + i; Q3_K's
+                  * 3rd at bit g of hmask byte i (the value is q - 4) */
+        const uint8_t *qs = b + (type == Q2_K ? 16 : 32) + 32 * (g / 4);
+        for (int i = 0; i < 32; ++i) {
+            int v = (qs[i] >> (2 * (g % 4))) & 3;
+            if (type == Q3_K) v |= ((b[i] >> g) & 1) << 2;
+            q[i] = (uint16_t)v;
+        }
+        return;
+    }
     case Q4_K:
     case Q5_K: {
         const uint8_t *qh = b + 16, *bytes = b + (type == Q4_K ? 16 : 48) + 32 * (g / 2);
@@ -185,31 +248,41 @@ static void gguf_values(int type, const uint8_t *b, int g, uint8_t *q) {
     }
 }
 
+/* The byte and bit of value 4v + i of row l (at = 4 l + i) in an area of width w (see Layout). */
+static inline uint8_t *area_byte(const uint8_t *area, int w, int v, int at, int *shift) {
+    *shift = w * (v % (8 / w));
+    return (uint8_t *)area + 32 * (v / (8 / w)) + at;
+}
+
 /* Value `col` (0..31) of row l in a tile group's value area, read or written. */
-static uint8_t tile_value(const Layout *L, const uint8_t *area, int l, int col) {
-    int v = col / 4, at = 4 * l + col % 4;
-    if (L->bits == 8) return area[32 * v + at];
-    uint8_t byte = area[32 * (v / 2) + at], q = v % 2 ? byte >> 4 : byte & 0x0f;
-    if (L->bits == 5) q |= ((area[128 + at] >> v) & 1) << 4;
-    if (L->bits == 6) q |= ((area[128 + 32 * (v / 4) + at] >> (2 * (v % 4))) & 3) << 4;
+static unsigned tile_value(const Layout *L, const uint8_t *area, int l, int col) {
+    if (L->low == 16) {
+        uint16_t h;
+        memcpy(&h, area + 16 * col + 2 * l, 2);
+        return h;
+    }
+    int v = col / 4, at = 4 * l + col % 4, shift;
+    unsigned q = (*area_byte(area, L->low, v, at, &shift) >> shift) & ((1u << L->low) - 1);
+    if (L->high)
+        q |= ((*area_byte(area + 32 * L->low, L->high, v, at, &shift) >> shift) & ((1u << L->high) - 1))
+             << L->low;
     return q;
 }
 
-static void set_tile_value(const Layout *L, uint8_t *area, int l, int col, uint8_t q) {
-    int v = col / 4, at = 4 * l + col % 4;
-    if (L->bits == 8) {
-        area[32 * v + at] = q;
+static void set_tile_value(const Layout *L, uint8_t *area, int l, int col, unsigned q) {
+    if (L->low == 16) {
+        uint16_t h = (uint16_t)q;
+        memcpy(area + 16 * col + 2 * l, &h, 2);
         return;
     }
-    uint8_t *byte = area + 32 * (v / 2) + at;
-    *byte = v % 2 ? (uint8_t)((*byte & 0x0f) | (q & 0x0f) << 4) : (uint8_t)((*byte & 0xf0) | (q & 0x0f));
-    if (L->bits == 5) {
-        uint8_t *plane = area + 128 + at;
-        *plane = (uint8_t)((*plane & ~(1 << v)) | ((q >> 4) & 1) << v);
-    } else if (L->bits == 6) {
-        uint8_t *plane = area + 128 + 32 * (v / 4) + at;
-        int shift = 2 * (v % 4);
-        *plane = (uint8_t)((*plane & ~(3 << shift)) | ((q >> 4) & 3) << shift);
+    int v = col / 4, at = 4 * l + col % 4, shift;
+    uint8_t *byte = area_byte(area, L->low, v, at, &shift);
+    unsigned mask = (1u << L->low) - 1;
+    *byte = (uint8_t)((*byte & ~(mask << shift)) | (q & mask) << shift);
+    if (L->high) {
+        byte = area_byte(area + 32 * L->low, L->high, v, at, &shift);
+        mask = (1u << L->high) - 1;
+        *byte = (uint8_t)((*byte & ~(mask << shift)) | ((q >> L->low) & mask) << shift);
     }
 }
 
@@ -221,6 +294,15 @@ static void put_fields(int type, const uint8_t *b, uint8_t *t, int l) {
     case Q4_0:
     case Q5_0:
     case Q8_0: memcpy(t + 2 * l, b, 2); return;
+    case Q2_K:
+        memcpy(t + 2 * l, b + 80, 2);
+        memcpy(t + 16 + 2 * l, b + 82, 2);
+        for (int k = 0; k < 16; ++k) t[32 + 8 * k + l] = b[k];
+        return;
+    case Q3_K:
+        memcpy(t + 2 * l, b + 108, 2);
+        for (int k = 0; k < 16; ++k) t[16 + 8 * k + l] = (uint8_t)(int8_t)q3_scale(b + 96, k);
+        return;
     case Q4_K:
     case Q5_K:
         memcpy(t + 2 * l, b, 2);
@@ -254,12 +336,21 @@ static void tile_scales(int type, const uint8_t *t, int l, int g, float *s, floa
         s[0] = s[1] = d * (float)t[32 + 8 * g + l];
         m[0] = m[1] = -(f16_at(t + 16 + 2 * l) * (float)t[96 + 8 * g + l]);
         return;
+    case Q2_K:
+        for (int h = 0; h < 2; ++h) {
+            uint8_t byte = t[32 + 8 * (2 * g + h) + l];
+            s[h] = d * (float)(byte & 0x0f);
+            m[h] = -(f16_at(t + 16 + 2 * l) * (float)(byte >> 4));
+        }
+        return;
+    case Q3_K:
     case Q6_K:
         for (int h = 0; h < 2; ++h) {
             s[h] = d * (float)(int8_t)t[16 + 8 * (2 * g + h) + l];
-            m[h] = -32.0f * s[h];
+            m[h] = (type == Q3_K ? -4.0f : -32.0f) * s[h];
         }
         return;
+    default: s[0] = s[1] = m[0] = m[1] = 0.0f; /* F16 / BF16 have none */
     }
 }
 
@@ -276,7 +367,8 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K) {
     a->sum = a->d + M * G;
     a->half = a->sum + M * G;
     a->q = (int8_t *)(a->half + 2 * M * G);
-    a->K = K, a->G = G, a->M = M;
+    a->x = NULL;
+    a->K = K, a->G = G, a->M = M, a->ldx = K;
 }
 
 /* Group of 32 values v: q = round(v / d) with d = amax / 127 (into q); returns d, and the sums
@@ -321,6 +413,7 @@ static inline float quantise_group(const float *v, int8_t *q, int sums[2]) {
 }
 
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a) {
+    a->x = x, a->ldx = ldx;
     for (int64_t r = first; r < first + count; ++r) {
         for (int64_t g = 0; g < a->G; ++g) {
             int sums[2];
@@ -336,9 +429,9 @@ void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count,
 
 /* ---- portable product ------------------------------------------------------------------- */
 #ifndef __AVX2__
-/* out[r][l] for the 8 rows of one tile and `rows` rows of x. */
+/* out[r][l] for the 8 rows of one tile and rows first.. first + rows - 1 of x. */
 static void tile_portable(int type, const Layout *L, const uint8_t *tile, const Activations *a,
-                          int rows, float out[MAX_ROWS][TILE]) {
+                          int64_t first, int rows, float out[MAX_ROWS][TILE]) {
     int per = L->values / GROUP;
     for (int l = 0; l < TILE; ++l) {
         for (int r = 0; r < rows; ++r) {
@@ -348,16 +441,16 @@ static void tile_portable(int type, const Layout *L, const uint8_t *tile, const 
                 const uint8_t *area = t + L->head + (g % per) * L->group_bytes;
                 float s[2], m[2];
                 tile_scales(type, t, l, (int)(g % per), s, m);
-                int64_t at = g * a->M + r;
+                int64_t at = g * a->M + first + r;
                 const int8_t *x = a->q + at * GROUP;
                 int32_t dot[2] = {0, 0};
                 for (int i = 0; i < GROUP; ++i) {
-                    uint8_t q = tile_value(L, area, l, i);
+                    unsigned q = tile_value(L, area, l, i);
                     dot[i / 16] += (type == Q8_0 ? (int32_t)(int8_t)q : (int32_t)q) * x[i];
                 }
                 float dx = a->d[at];
                 const float *half = a->half + 2 * at;
-                if (type == Q6_K) {
+                if (per_half(type)) {
                     acc += (s[0] * dx) * (float)dot[0];
                     acc += (s[1] * dx) * (float)dot[1];
                     accm += m[0] * half[0];
@@ -371,22 +464,43 @@ static void tile_portable(int type, const Layout *L, const uint8_t *tile, const 
         }
     }
 }
-#define tile_product(type, L, tile, a, rows, out) tile_portable(type, L, tile, a, rows, out)
+#define tile_product tile_portable
+
+/* out[r][l] for F16 / BF16 weights: column k's product added to sum k % FLOAT_CHAINS, the sums
+ * added in pairs at the end. */
+static void tile_float(int type, const Layout *L, const uint8_t *tile, const Activations *a,
+                       int64_t first, int rows, float out[MAX_ROWS][TILE]) {
+    for (int l = 0; l < TILE; ++l) {
+        for (int r = 0; r < rows; ++r) {
+            const float *x = a->x + (first + r) * a->ldx;
+            float acc[FLOAT_CHAINS] = {0.0f};
+            for (int64_t k = 0; k < a->K; ++k) {
+                unsigned bits = tile_value(L, tile + k / GROUP * L->tile_bytes, l, (int)(k % GROUP));
+                acc[k % FLOAT_CHAINS] += float_value(type, bits) * x[k];
+            }
+            out[r][l] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        }
+    }
+}
 #endif
 
 /* ---- AVX2 product ----------------------------------------------------------------------- */
 #ifdef __AVX2__
 
-static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
-
-static inline __m256i high_nibbles(__m256i v) {
-    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+/* bits [at, at + width) of each byte moved to bits [to, to + width) (the others zero); the mask
+ * is applied where the bits end up, so that a type's vectors share as few masks as may be (each
+ * one more takes a register) */
+static inline __m256i bits_to(__m256i v, int at, int width, int to) {
+    if (width == 8) return v;
+    if (at < to) v = _mm256_slli_epi16(v, to - at);
+    if (at > to) v = _mm256_srli_epi16(v, at - to);
+    return _mm256_and_si256(v, _mm256_set1_epi8((char)(((1 << width) - 1) << to)));
 }
 
-/* bits [at, at + width) of each byte moved to bits [4, 4 + width) */
-static inline __m256i bits_to_4(__m256i v, int at, int width) {
-    v = _mm256_and_si256(v, _mm256_set1_epi8((char)(((1 << width) - 1) << at)));
-    return at <= 4 ? _mm256_slli_epi16(v, 4 - at) : _mm256_srli_epi16(v, at - 4);
+/* Value vector v of an area of width w bits (see Layout), moved to bits [to, to + w). */
+static inline __m256i area_vector(const uint8_t *area, int w, int v, int to) {
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)(area + 32 * (v / (8 / w))));
+    return bits_to(bytes, w * (v % (8 / w)), w, to);
 }
 
 static inline __m256 load_halves8(const uint8_t *p) { /* 8 float16 -> 8 floats */
@@ -423,31 +537,33 @@ static inline __attribute__((always_inline)) void group_scales(int type, const u
         S->m[0] = _mm256_sub_ps(_mm256_setzero_ps(),
                                 _mm256_mul_ps(load_halves8(t + 16), load_bytes8(t + 96 + 8 * j)));
         break;
+    case Q2_K:
+        for (int h = 0; h < 2; ++h) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(t + 32 + 8 * (2 * j + h)));
+            __m256i both = _mm256_cvtepu8_epi32(bytes);
+            __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(0x0f)));
+            __m256 mn = _mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4));
+            S->s[h] = _mm256_mul_ps(d, sc);
+            S->m[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_halves8(t + 16), mn));
+        }
+        break;
+    case Q3_K:
     case Q6_K:
         for (int h = 0; h < 2; ++h) {
             S->s[h] = _mm256_mul_ps(d, load_signed8(t + 16 + 8 * (2 * j + h)));
-            S->m[h] = _mm256_mul_ps(S->s[h], _mm256_set1_ps(-32.0f));
+            S->m[h] = _mm256_mul_ps(S->s[h], _mm256_set1_ps(type == Q3_K ? -4.0f : -32.0f));
         }
         break;
     }
-    if (type != Q6_K) S->s[1] = S->s[0], S->m[1] = S->m[0];
+    if (!per_half(type)) S->s[1] = S->s[0], S->m[1] = S->m[0];
 }
 
 /* Vector v (values 4v..4v+3 of each row of the tile) of a group's value area. */
 static inline __attribute__((always_inline)) __m256i group_vector(int type, const Layout *L,
                                                                    const uint8_t *area, int v) {
-    if (L->bits == 8) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(area + 32 * v));
-        return VNNI ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
-    }
-    __m256i bytes = _mm256_loadu_si256((const __m256i *)(area + 32 * (v / 2)));
-    __m256i w = v % 2 ? high_nibbles(bytes) : low_nibbles(bytes);
-    if (L->bits == 5)
-        w = _mm256_or_si256(w, bits_to_4(_mm256_loadu_si256((const __m256i *)(area + 128)), v, 1));
-    if (L->bits == 6) {
-        __m256i plane = _mm256_loadu_si256((const __m256i *)(area + 128 + 32 * (v / 4)));
-        w = _mm256_or_si256(w, bits_to_4(plane, 2 * (v % 4), 2));
-    }
+    __m256i w = area_vector(area, L->low, v, 0);
+    if (L->low == 8) return VNNI ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
+    if (L->high) w = _mm256_or_si256(w, area_vector(area + 32 * L->low, L->high, v, L->low));
     (void)type;
     return w;
 }
@@ -464,8 +580,8 @@ static inline __m256i broadcast4(const int8_t *x) {
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* Per row r of x (its 32 values at x + 32 r) and row of the tile (32-bit lane), the integer dot
- * products of a group's values with x's: lo[r] for the whole group, or for Q6_K the first half
- * in lo[r] and the second in hi[r]. Each vector of weights is unpacked once and used for every
+ * products of a group's values with x's: lo[r] for the whole group, or for the types with a scale
+ * per half the first half in lo[r] and the second in hi[r]. Each vector of weights is unpacked once and used for every
  * row of x at once. */
 static inline __attribute__((always_inline)) void group_dots(int type, const Layout *L,
                                                               const uint8_t *area,
@@ -477,7 +593,7 @@ static inline __attribute__((always_inline)) void group_dots(int type, const Lay
     for (int v = 0; v < 8; ++v) {
         __m256i w = group_vector(type, L, area, v);
         for (int r = 0; r < rows; ++r) {
-            __m256i *sum = type == Q6_K && v >= 4 ? &hi[r] : &lo[r];
+            __m256i *sum = per_half(type) && v >= 4 ? &hi[r] : &lo[r];
             *sum = dot_bytes(*sum, w, broadcast4(x + 32 * r + 4 * v));
         }
     }
@@ -496,8 +612,9 @@ static inline __attribute__((always_inline)) void group_dots(int type, const Lay
         }
         return;
     }
-    /* values below 2^bits: 16-bit sums of `run` pairs of products cannot overflow */
-    const int run = L->bits == 4 ? 8 : L->bits == 5 ? 4 : 2;
+    /* values below 2^bits: 16-bit sums of `run` pairs of products cannot overflow (and a run
+     * stays within a half for the types with a scale per half) */
+    const int bits = L->low + L->high, run = bits <= 4 ? (per_half(type) ? 4 : 8) : bits == 5 ? 4 : 2;
     __m256i p[MAX_ROWS];
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
@@ -507,9 +624,9 @@ static inline __attribute__((always_inline)) void group_dots(int type, const Lay
             p[r] = v % run ? _mm256_add_epi16(p[r], q) : q;
             IN_REGISTER(p[r]);
             if (v % run == run - 1) { /* a run complete: widened into its 32-bit sum */
-                __m256i *sum = type == Q6_K && v >= 4 ? &hi[r] : &lo[r];
+                __m256i *sum = per_half(type) && v >= 4 ? &hi[r] : &lo[r];
                 __m256i wide = _mm256_madd_epi16(p[r], ones);
-                int first = type == Q6_K ? v % 4 == run - 1 : v == run - 1;
+                int first = per_half(type) ? v % 4 == run - 1 : v == run - 1;
                 *sum = first ? wide : _mm256_add_epi32(*sum, wide);
             }
         }
@@ -521,29 +638,36 @@ static inline __attribute__((always_inline)) void group_dots(int type, const Lay
  * row by the same operations in the same order whatever `rows`. */
 static inline __attribute__((always_inline)) void tile_avx2(int type, const Layout *L,
                                                              const uint8_t *tile,
-                                                             const Activations *a, int rows,
-                                                             float out[MAX_ROWS][TILE]) {
+                                                             const Activations *a, int64_t first,
+                                                             int rows, float out[MAX_ROWS][TILE]) {
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    /* a's fields as locals, moved to row `first` here: with a copied view of `a` per call and
+     * its fields read in the loop, GCC 12's code was 1.1x (M = 1) to 1.2x (M = 8) slower on an
+     * Intel Xeon with AVX-512 VNNI once Activations had grown by x (these locals: 5-8% faster
+     * at M = 8 than before it grew, level at M = 1) */
+    const int64_t G = a->G, M = a->M;
+    const int8_t *q = a->q + first * GROUP;
+    const float *dq = a->d + first, *sums = a->sum + first, *halves = a->half + 2 * first;
     int per = L->values / GROUP;
     /* the tile after next, fetched while this one is computed (the hardware prefetcher alone
      * keeps too few bytes in flight for a stream of tiles) */
-    int64_t stride = a->G / per * L->tile_bytes, share = stride / a->G;
+    int64_t stride = G / per * L->tile_bytes, share = stride / G;
     const char *ahead = (const char *)tile + 2 * stride;
-    for (int64_t g = 0; g < a->G; ++g) {
+    for (int64_t g = 0; g < G; ++g) {
         for (int64_t line = 0; line < share; line += 64) _mm_prefetch(ahead + g * share + line, _MM_HINT_T0);
         const uint8_t *t = tile + (g / per) * L->tile_bytes;
         int j = (int)(g % per);
-        int64_t at = g * a->M; /* this group's first row of x */
+        int64_t at = g * M; /* this group's first row of x */
         __m256i lo[MAX_ROWS], hi[MAX_ROWS];
-        group_dots(type, L, t + L->head + j * L->group_bytes, a->q + at * GROUP, rows, lo, hi);
+        group_dots(type, L, t + L->head + j * L->group_bytes, q + at * GROUP, rows, lo, hi);
         Scales S;
         group_scales(type, t, j, &S);
-        const float *d = a->d + at, *sum = a->sum + at, *half = a->half + 2 * at;
+        const float *d = dq + at, *sum = sums + at, *half = halves + 2 * at;
         for (int r = 0; r < rows; ++r) {
             __m256 dx = _mm256_broadcast_ss(d + r);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(S.s[0], dx), _mm256_cvtepi32_ps(lo[r]), acc[r]);
-            if (type == Q6_K) {
+            if (per_half(type)) {
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(S.s[1], dx), _mm256_cvtepi32_ps(hi[r]), acc[r]);
                 acc[r] = _mm256_fmadd_ps(S.m[0], _mm256_broadcast_ss(half + 2 * r), acc[r]);
                 acc[r] = _mm256_fmadd_ps(S.m[1], _mm256_broadcast_ss(half + 2 * r + 1), acc[r]);
@@ -558,7 +682,7 @@ static inline __attribute__((always_inline)) void tile_avx2(int type, const Layo
 /* One specialised copy per type and row count, so that the unpacking is inlined and the
  * accumulators stay in registers. */
 #define ROWS_CASE(t, n)                                                                      \
-    case n: tile_avx2(t, &L, tile, a, n, out); return;
+    case n: tile_avx2(t, &L, tile, a, first, n, out); return;
 #define TYPE_CASE(t)                                                                         \
     case t: {                                                                                \
         Layout L;                                                                            \
@@ -570,7 +694,7 @@ static inline __attribute__((always_inline)) void tile_avx2(int type, const Layo
         return;                                                                              \
     }
 static void tile_product(int type, const Layout *unused, const uint8_t *tile,
-                         const Activations *a, int rows, float out[MAX_ROWS][TILE]) {
+                         const Activations *a, int64_t first, int rows, float out[MAX_ROWS][TILE]) {
     (void)unused;
     switch (type) {
         TYPE_CASE(Q4_0)
@@ -578,9 +702,63 @@ static void tile_product(int type, const Layout *unused, const uint8_t *tile,
         TYPE_CASE(Q5_0)
         TYPE_CASE(Q5_1)
         TYPE_CASE(Q8_0)
+        TYPE_CASE(Q2_K)
+        TYPE_CASE(Q3_K)
         TYPE_CASE(Q4_K)
         TYPE_CASE(Q5_K)
         TYPE_CASE(Q6_K)
+    }
+}
+
+/* Column k of an F16 / BF16 tile (one value of each of its 8 rows) as 8 floats. */
+static inline __m256 load_column(int type, const uint8_t *p) {
+    __m128i bits = _mm_loadu_si128((const __m128i *)p);
+    if (type == F16) return _mm256_cvtph_ps(bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/* out[r][l] for F16 / BF16 weights and `rows` (<= FLOAT_ROWS) rows of x: column k's product
+ * added to sum k % FLOAT_CHAINS with a fused multiply-add, the sums added in pairs at the end. */
+static inline __attribute__((always_inline)) void float_rows(int type, const uint8_t *tile,
+                                                              const float *x, int64_t ldx,
+                                                              int64_t K, int rows, int prefetch,
+                                                              float out[][TILE]) {
+    __m256 acc[FLOAT_ROWS][FLOAT_CHAINS];
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < FLOAT_CHAINS; ++c) acc[r][c] = _mm256_setzero_ps();
+    const char *ahead = (const char *)tile + 2 * 16 * K; /* the tile after next */
+    for (int64_t k = 0; k < K; k += FLOAT_CHAINS) {
+        if (prefetch) _mm_prefetch(ahead + 16 * k, _MM_HINT_T0); /* 4 columns: one line */
+        for (int c = 0; c < FLOAT_CHAINS; ++c) {
+            __m256 w = load_column(type, tile + 16 * (k + c));
+            for (int r = 0; r < rows; ++r)
+                acc[r][c] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k + c), acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        _mm256_storeu_ps(out[r], _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                               _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
+/* The tile's columns lie 16 bytes apart (the 512-byte tile blocks follow each other). */
+static void tile_float(int type, const Layout *unused, const uint8_t *tile, const Activations *a,
+                       int64_t first, int rows, float out[MAX_ROWS][TILE]) {
+    (void)unused;
+    for (int r0 = 0; r0 < rows; r0 += FLOAT_ROWS) {
+        const float *x = a->x + (first + r0) * a->ldx;
+        int n = rows - r0 < FLOAT_ROWS ? rows - r0 : FLOAT_ROWS, ahead = r0 == 0;
+        switch (n * 2 + (type == F16)) { /* one specialised copy per row count and type */
+#define FLOAT_CASE(n)                                                                        \
+    case 2 * n: float_rows(BF16, tile, x, a->ldx, a->K, n, ahead, out + r0); break;          \
+    case 2 * n + 1: float_rows(F16, tile, x, a->ldx, a->K, n, ahead, out + r0); break;
+            FLOAT_CASE(1)
+            FLOAT_CASE(2)
+#if FLOAT_ROWS == 4
+            FLOAT_CASE(3)
+            FLOAT_CASE(4)
+#endif
+#undef FLOAT_CASE
+        }
     }
 }
 #endif
@@ -616,7 +794,7 @@ int dl_pack(int type, const uint8_t *rows, int64_t row_stride, int64_t N, int64_
     layout_of(type, &L);
     memset(tiles, 0, (size_t)total);
     int64_t blocks = K / L.values, per = L.values / GROUP;
-    uint8_t q[GROUP];
+    uint16_t q[GROUP];
     for (int64_t n = 0; n < N; ++n) {
         int l = (int)(n % TILE);
         for (int64_t b = 0; b < blocks; ++b) {
@@ -678,11 +856,15 @@ int dl_dequantize(int type, const uint8_t *tiles, int64_t K, const int64_t *rows
         for (int64_t g = 0; g < K / GROUP; ++g) {
             const uint8_t *t = tiles + ((n / TILE) * blocks + g / per) * L.tile_bytes;
             const uint8_t *area = t + L.head + (g % per) * L.group_bytes;
+            float *o = out + r * K + g * GROUP;
+            if (L.low == 16) {
+                for (int i = 0; i < GROUP; ++i) o[i] = float_value(type, tile_value(&L, area, l, i));
+                continue;
+            }
             float s[2], m[2];
             tile_scales(type, t, l, (int)(g % per), s, m);
-            float *o = out + r * K + g * GROUP;
             for (int i = 0; i < GROUP; ++i) {
-                uint8_t q = tile_value(&L, area, l, i);
+                unsigned q = tile_value(&L, area, l, i);
                 float value = type == Q8_0 ? (float)(int8_t)q : (float)q;
                 o[i] = s[i / 16] * value + m[i / 16];
             }
@@ -703,10 +885,10 @@ void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t M, flo
     float out[MAX_ROWS][TILE];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-        Activations part = *a;
-        part.q = a->q + m0 * GROUP, part.d = a->d + m0, part.sum = a->sum + m0;
-        part.half = a->half + 2 * m0;
-        tile_product(type, &L, tile, &part, rows, out);
+        if (L.low == 16)
+            tile_float(type, &L, tile, a, m0, rows, out);
+        else
+            tile_product(type, &L, tile, a, m0, rows, out);
         for (int r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, out[r], (size_t)width * sizeof(float));
     }
 }

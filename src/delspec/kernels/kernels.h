@@ -18,19 +18,22 @@
 
 /* x quantised per group of 32 values for the block products, group by group so that one
  * group's rows lie together: values q [G][M][32], and per group and row the scale d, d times the
- * sum of q over the group (`sum`, [G][M]) and over each half (`half`, [G][M][2]). A view of rows
- * m0.. of another Activations moves the pointers by m0 rows and keeps M, the rows per group. */
+ * sum of q over the group (`sum`, [G][M]) and over each half (`half`, [G][M][2]); and x itself
+ * (row r at x + r * ldx, for the float16 / bfloat16 weights, multiplied in float: it must stay
+ * as it is until the products are done). */
 typedef struct {
     int8_t *q;
     float *d, *sum, *half;
     int64_t K, G, M;
+    const float *x;
+    int64_t ldx;
 } Activations;
 
 /* Bytes of Activations for M rows of K values; `dl_activations_at` lays them out in `memory`
  * (64-byte aligned). */
 size_t dl_activation_bytes(int64_t M, int64_t K);
 void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K);
-/* Quantise rows [first, first + count) of x (row stride ldx) into `a`. */
+/* Quantise rows [first, first + count) of x (row stride ldx) into `a`, which keeps x too. */
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a);
 /* Bytes from one tile of 8 weight rows of K values to the next (0 for an unknown type). */
 int64_t dl_tile_stride(int type, int64_t K);
