@@ -14,19 +14,30 @@ from matplotlib.image import imread
 from tiny_models import tiny_hf_llama
 from transformers import AutoTokenizer
 
-from delspec.bench.backends import BACKENDS, LLAMA_CMAKE_ARGS, DelspecBackend, Generate, Output
+from delspec.bench.backends import (
+    BACKENDS,
+    LLAMA_CMAKE_ARGS,
+    DelspecBackend,
+    Generate,
+    Output,
+    TransformersBackend,
+)
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
 from delspec.bench.tasks import TASKS
 from delspec.cli import main
 from delspec.errors import ConfigError
 from delspec.gguf_conversion import converted_checkpoint
+from delspec.loading import load_model
 from delspec.named_models import default_model_path
 
 LAYERS = 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ECONOMIZE = importlib.util.find_spec("economize") is not None
-METHODS_ARG = "ar,del,static:E=2,d=3,static-sweep:E=2/4,d=2/4,calibration=1,hf,hf-early-exit:E=2"
+METHODS_ARG = (
+    "ar,del,static:E=2,d=3,static-sweep:E=2/4,d=2/4,calibration=1,hf,hf-early-exit:E=2,"
+    "hf-lookup:d=4"
+)
 if ECONOMIZE:
     METHODS_ARG += ",economize-early-exit:E=2,d=3"
 LABELS = [
@@ -36,6 +47,7 @@ LABELS = [
     "static-sweep:E=2/4,d=2/4,calibration=1",
     "hf",
     "hf-early-exit:E=2",
+    "hf-lookup:d=4",
 ] + (["economize-early-exit:E=2,d=3"] if ECONOMIZE else [])
 OWN = LABELS[:4]
 
@@ -284,10 +296,22 @@ def test_cli_errors_come_before_loading_the_model(tmp_path, capsys, options, mes
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys):
-    code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", "static:E=99")
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("static:E=99", "method 'static:E=99': exit layer must be in 1..6"),
+        (
+            "hf-lookup:d=4,window=3",
+            "method 'hf-lookup:d=4,window=3': prompt lookup takes the options draft_length (d) "
+            "and ngram, not window",
+        ),
+        ("hf-lookup:ngram=0", "method 'hf-lookup:ngram=0': ngram must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys, method, message):
+    code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", method)
     assert code == 2
-    assert "method 'static:E=99': exit layer must be in 1..6" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_parse_methods():
@@ -310,6 +334,41 @@ def test_parse_methods():
     assert dict(path.options) == {"adapters": "/tmp/a/x.safetensors", "draft_vocab": 8}
     with pytest.raises(ConfigError, match="comes before any method"):
         parse_methods("E=3,del")
+
+
+def test_parse_lookup_methods():
+    methods = parse_methods("hf-lookup,hf-lookup:d=4,ngram=3,llama-cpp-lookup:d=5,n_ctx=512")[1:]
+    assert [m.label for m in methods] == [
+        "hf-lookup",
+        "hf-lookup:d=4,ngram=3",
+        "llama-cpp-lookup:d=5,n_ctx=512",
+    ]
+    assert [dict(m.options) for m in methods] == [
+        {},
+        {"draft_length": 4, "ngram": 3},
+        {"draft_length": 5, "n_ctx": 512},
+    ]
+    assert [(m.spec.backend, m.spec.strategy, m.spec.peer) for m in methods] == [
+        ("transformers", "lookup", True),
+        ("transformers", "lookup", True),
+        ("llama-cpp", "lookup", True),
+    ]
+
+
+def test_hf_lookup_equals_greedy_with_fewer_forward_passes(tiny_dir):
+    """Prompt lookup is lossless under greedy decoding: the same tokens as plain `generate`. On
+    a repetitive prompt its drafts are accepted, so it runs fewer forward passes than tokens."""
+    lm = load_model(tiny_dir)
+    backend = TransformersBackend(lm)
+    passes: list[int] = []
+    backend.model.register_forward_hook(lambda *_: passes.append(1))
+    ids = lm.tokenizer.encode("one two three four five six seven eight " * 3)
+    greedy = backend.generator("greedy", {})(ids, 24).token_ids
+    assert len(passes) == 24
+    passes.clear()
+    for options in ({}, {"draft_length": 4, "ngram": 1}):
+        assert backend.generator("lookup", options)(ids, 24).token_ids == greedy
+    assert len(passes) < 24
 
 
 def test_first_divergence():
