@@ -382,18 +382,20 @@ def test_llama_cpp_is_skipped_with_a_hint_when_not_installed(
 ):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` fails
     out = tmp_path / "out"
-    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", "llama-cpp,del") == 0
+    llama = ["llama-cpp", "llama-cpp-lookup:d=4"]
+    methods = ",".join([*llama, "del"])
+    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", methods) == 0
     hint = f"CMAKE_ARGS=\"{LLAMA_CMAKE_ARGS}\" pip install 'delspec[llama]'"
-    (line,) = [x for x in capsys.readouterr().err.splitlines() if "llama-cpp" in x]
-    assert line.startswith("delspec: skipping llama-cpp: llama-cpp-python is not installed")
-    assert hint in line and "make install-llama" in line
+    lines = [x for x in capsys.readouterr().err.splitlines() if "llama-cpp" in x]
+    for label, line in zip(llama, lines, strict=True):
+        assert line.startswith(f"delspec: skipping {label}: llama-cpp-python is not installed")
+        assert hint in line and "make install-llama" in line
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "del"] and results["lossless"]["ok"]
-    assert list(results["settings"]["skipped"]) == ["llama-cpp"]
-    assert (
-        "- `llama-cpp`: skipped, llama-cpp-python is not installed"
-        in (out / "table.md").read_text()
-    )
+    assert list(results["settings"]["skipped"]) == llama
+    table = (out / "table.md").read_text()
+    for label in llama:
+        assert f"- `{label}`: skipped, llama-cpp-python is not installed" in table
 
 
 def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):
