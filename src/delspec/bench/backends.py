@@ -47,6 +47,10 @@ LLAMA_INSTALL = (
     "make install-llama)"
 )
 
+# llama.cpp rounds a context up to a multiple of this (llama-context.cpp: GGML_PAD(n_ctx, 256)).
+# llama-cpp-python sizes its token buffer by the n_ctx asked for, but its prompt-lookup drafts
+# run up to llama.cpp's (past the buffer: a ValueError), so the bench asks for the rounded size.
+LLAMA_CTX_PAD = 256
 
 # Prompt lookup's defaults, transformers' and llama-cpp-python's alike: up to 10 tokens copied per
 # round, after the last 2 (or failing that 1) tokens found earlier in the context.
@@ -240,11 +244,11 @@ class LlamaCppBackend:
     stopping after an EOS token of the model (delspec's EOS ids) or at the maximum, as delspec
     does; `n_threads` (prompt and decode) is torch's thread count, which is the bench's
     ``--threads``. Its context is `n_ctx` tokens (an option; by default what the run needs, see
-    `reserve`, at most the model's context), allocated once per generator; "lookup" also keeps
-    every context position's logits (``logits_all``, which llama-cpp-python's speculative loop
-    needs): n_ctx x vocabulary floats more. The prompt's forward pass and the decoding after it
-    are timed apart, as for delspec ("lookup": up to the first new token, which its loop
-    samples in the same step).
+    `reserve`, at most the model's context; rounded up to `LLAMA_CTX_PAD`, as llama.cpp does),
+    allocated once per generator; "lookup" also keeps every context position's logits
+    (``logits_all``, which llama-cpp-python's speculative loop needs): n_ctx x vocabulary floats
+    more. The prompt's forward pass and the decoding after it are timed apart, as for delspec
+    ("lookup": up to the first new token, which its loop samples in the same step).
     """
 
     def __init__(self, lm: LoadedModel) -> None:
@@ -323,8 +327,9 @@ class LlamaCppBackend:
         return generate
 
     def _llama(self, n_ctx: int, **options: Any) -> Any:
-        """A `llama_cpp.Llama` on the GGUF file with an `n_ctx` context, `--threads` threads,
-        and `options` (further constructor arguments)."""
+        """A `llama_cpp.Llama` on the GGUF file with a context of `n_ctx` tokens rounded up to
+        `LLAMA_CTX_PAD`, `--threads` threads, and `options` (further constructor arguments)."""
+        n_ctx = -(-n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
         threads = torch.get_num_threads()
         return self.llama_cpp.Llama(
             model_path=self.lm.source,
