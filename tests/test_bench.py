@@ -15,7 +15,14 @@ from matplotlib.image import imread
 from tiny_models import tiny_hf_llama
 from transformers import AutoTokenizer
 
-from delspec.bench.backends import BACKENDS, LLAMA_CMAKE_ARGS, DelspecBackend, Generate, Output
+from delspec.bench.backends import (
+    BACKENDS,
+    LLAMA_CMAKE_ARGS,
+    DelspecBackend,
+    Generate,
+    Output,
+    TransformersBackend,
+)
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
 from delspec.bench.report import _heading
@@ -23,12 +30,16 @@ from delspec.bench.tasks import TASKS
 from delspec.cli import main
 from delspec.errors import ConfigError
 from delspec.gguf_conversion import converted_checkpoint
+from delspec.loading import load_model
 from delspec.named_models import default_model_path
 
 LAYERS = 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ECONOMIZE = importlib.util.find_spec("economize") is not None
-METHODS_ARG = "ar,del,static:E=2,d=3,static-sweep:E=2/4,d=2/4,calibration=1,hf,hf-early-exit:E=2"
+METHODS_ARG = (
+    "ar,del,static:E=2,d=3,static-sweep:E=2/4,d=2/4,calibration=1,hf,hf-early-exit:E=2,"
+    "hf-lookup:d=4"
+)
 if ECONOMIZE:
     METHODS_ARG += ",economize-early-exit:E=2,d=3"
 LABELS = [
@@ -38,6 +49,7 @@ LABELS = [
     "static-sweep:E=2/4,d=2/4,calibration=1",
     "hf",
     "hf-early-exit:E=2",
+    "hf-lookup:d=4",
 ] + (["economize-early-exit:E=2,d=3"] if ECONOMIZE else [])
 OWN = LABELS[:4]
 
@@ -286,10 +298,22 @@ def test_cli_errors_come_before_loading_the_model(tmp_path, capsys, options, mes
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys):
-    code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", "static:E=99")
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("static:E=99", "method 'static:E=99': exit layer must be in 1..6"),
+        (
+            "hf-lookup:d=4,window=3",
+            "method 'hf-lookup:d=4,window=3': prompt lookup takes the options draft_length (d) "
+            "and ngram, not window",
+        ),
+        ("hf-lookup:ngram=0", "method 'hf-lookup:ngram=0': ngram must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_method_option_is_reported_before_timing(tiny_dir, tmp_path, capsys, method, message):
+    code = bench(tiny_dir, tmp_path / "out", "--tasks", "gsm8k", "--methods", method)
     assert code == 2
-    assert "method 'static:E=99': exit layer must be in 1..6" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_parse_methods():
@@ -314,6 +338,41 @@ def test_parse_methods():
         parse_methods("E=3,del")
 
 
+def test_parse_lookup_methods():
+    methods = parse_methods("hf-lookup,hf-lookup:d=4,ngram=3,llama-cpp-lookup:d=5,n_ctx=512")[1:]
+    assert [m.label for m in methods] == [
+        "hf-lookup",
+        "hf-lookup:d=4,ngram=3",
+        "llama-cpp-lookup:d=5,n_ctx=512",
+    ]
+    assert [dict(m.options) for m in methods] == [
+        {},
+        {"draft_length": 4, "ngram": 3},
+        {"draft_length": 5, "n_ctx": 512},
+    ]
+    assert [(m.spec.backend, m.spec.strategy, m.spec.peer) for m in methods] == [
+        ("transformers", "lookup", True),
+        ("transformers", "lookup", True),
+        ("llama-cpp", "lookup", True),
+    ]
+
+
+def test_hf_lookup_equals_greedy_with_fewer_forward_passes(tiny_dir):
+    """Prompt lookup is lossless under greedy decoding: the same tokens as plain `generate`. On
+    a repetitive prompt its drafts are accepted, so it runs fewer forward passes than tokens."""
+    lm = load_model(tiny_dir)
+    backend = TransformersBackend(lm)
+    passes: list[int] = []
+    backend.model.register_forward_hook(lambda *_: passes.append(1))
+    ids = lm.tokenizer.encode("one two three four five six seven eight " * 3)
+    greedy = backend.generator("greedy", {})(ids, 24).token_ids
+    assert len(passes) == 24
+    passes.clear()
+    for options in ({}, {"draft_length": 4, "ngram": 1}):
+        assert backend.generator("lookup", options)(ids, 24).token_ids == greedy
+    assert len(passes) < 24
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
@@ -325,18 +384,20 @@ def test_llama_cpp_is_skipped_with_a_hint_when_not_installed(
 ):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` fails
     out = tmp_path / "out"
-    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", "llama-cpp,del") == 0
+    llama = ["llama-cpp", "llama-cpp-lookup:d=4"]
+    methods = ",".join([*llama, "del"])
+    assert bench(tiny_dir, out, "--prompts", str(prompts_file), "--methods", methods) == 0
     hint = f"CMAKE_ARGS=\"{LLAMA_CMAKE_ARGS}\" pip install 'delspec[llama]'"
-    (line,) = [x for x in capsys.readouterr().err.splitlines() if "llama-cpp" in x]
-    assert line.startswith("delspec: skipping llama-cpp: llama-cpp-python is not installed")
-    assert hint in line and "make install-llama" in line
+    lines = [x for x in capsys.readouterr().err.splitlines() if "llama-cpp" in x]
+    for label, line in zip(llama, lines, strict=True):
+        assert line.startswith(f"delspec: skipping {label}: llama-cpp-python is not installed")
+        assert hint in line and "make install-llama" in line
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "del"] and results["lossless"]["ok"]
-    assert list(results["settings"]["skipped"]) == ["llama-cpp"]
-    assert (
-        "- `llama-cpp`: skipped, llama-cpp-python is not installed"
-        in (out / "table.md").read_text()
-    )
+    assert list(results["settings"]["skipped"]) == llama
+    table = (out / "table.md").read_text()
+    for label in llama:
+        assert f"- `{label}`: skipped, llama-cpp-python is not installed" in table
 
 
 def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):

@@ -47,6 +47,15 @@ LLAMA_INSTALL = (
     "make install-llama)"
 )
 
+# llama.cpp rounds a context up to a multiple of this (llama-context.cpp: GGML_PAD(n_ctx, 256)).
+# llama-cpp-python sizes its token buffer by the n_ctx asked for, but its prompt-lookup drafts
+# run up to llama.cpp's (past the buffer: a ValueError), so the bench asks for the rounded size.
+LLAMA_CTX_PAD = 256
+
+# Prompt lookup's defaults, transformers' and llama-cpp-python's alike: up to 10 tokens copied per
+# round, after the last 2 (or failing that 1) tokens found earlier in the context.
+LOOKUP_DEFAULTS = {"draft_length": 10, "ngram": 2}
+
 
 class BackendUnavailable(ConfigError):
     """A peer library is not installed (or does not load); its methods are skipped."""
@@ -137,9 +146,11 @@ class DelspecBackend:
 
 
 class TransformersBackend:
-    """transformers' own greedy `generate`, plain ("greedy") or with its LayerSkip early-exit
+    """transformers' own greedy `generate`, plain ("greedy"), with its LayerSkip early-exit
     assistant ("early-exit": `exit_layer` E and `draft_length` d, defaulting to the `static`
-    strategy's; drafts exactly d tokens per round, no confidence cut-off)."""
+    strategy's; drafts exactly d tokens per round, no confidence cut-off), or with prompt-lookup
+    decoding ("lookup": `lookup_setting`'s d and ngram as ``prompt_lookup_num_tokens`` and
+    ``max_matching_ngram_size``)."""
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
@@ -151,6 +162,9 @@ class TransformersBackend:
         if strategy == "early-exit":
             exit_layer, draft_length = static_setting(self.lm, options)
             return lambda ids, n: self._generate(ids, n, exit_layer, draft_length)
+        if strategy == "lookup":
+            draft_length, ngram = lookup_setting(options)
+            return lambda ids, n: self._generate(ids, n, draft_length=draft_length, ngram=ngram)
         raise ConfigError(f"transformers {strategy} takes no options {dict(options)}")
 
     def _generate(
@@ -159,7 +173,10 @@ class TransformersBackend:
         max_new_tokens: int,
         exit_layer: int | None = None,
         draft_length: int = 0,
+        ngram: int | None = None,
     ) -> Output:
+        """Greedy tokens; with `exit_layer`, drafted by the early exit, with `ngram`, looked up in
+        the context; `draft_length` tokens per round either way."""
         from transformers import GenerationConfig
 
         eos = list(self.lm.eos_token_ids)
@@ -169,6 +186,8 @@ class TransformersBackend:
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else None,
             assistant_early_exit=exit_layer,
+            prompt_lookup_num_tokens=draft_length if ngram is not None else None,
+            max_matching_ngram_size=ngram,
         )
         if exit_layer is not None:
             # transformers 5 reads the drafting schedule from the model's own generation config
@@ -216,14 +235,20 @@ class EconomizeBackend:
 
 
 class LlamaCppBackend:
-    """llama.cpp through llama-cpp-python ("greedy"), on the GGUF file delspec loaded.
+    """llama.cpp through llama-cpp-python, on the GGUF file delspec loaded: greedy one token per
+    step ("greedy"), or llama-cpp-python's own speculative loop with its prompt-lookup drafter
+    ("lookup": `LlamaPromptLookupDecoding`, `lookup_setting`'s d as ``num_pred_tokens`` and
+    ngram as ``max_ngram_size``; each round checks the drafts in one batch).
 
-    It runs the same prompt token ids (no re-tokenization) with llama.cpp's greedy sampler, one
-    token per step, stopping after an EOS token of the model (delspec's EOS ids) or at the
-    maximum, as delspec does; `n_threads` (prompt and decode) is torch's thread count, which is
-    the bench's ``--threads``. Its context is `n_ctx` tokens (an option; by default what the
-    run needs, see `reserve`, at most the model's context), allocated once per generator. The
-    prompt's forward pass and the decoding after it are timed apart, as for delspec.
+    It runs the same prompt token ids (no re-tokenization) with llama.cpp's greedy sampler,
+    stopping after an EOS token of the model (delspec's EOS ids) or at the maximum, as delspec
+    does; `n_threads` (prompt and decode) is torch's thread count, which is the bench's
+    ``--threads``. Its context is `n_ctx` tokens (an option; by default what the run needs, see
+    `reserve`, at most the model's context; rounded up to `LLAMA_CTX_PAD`, as llama.cpp does),
+    allocated once per generator; "lookup" also keeps every context position's logits
+    (``logits_all``, which llama-cpp-python's speculative loop needs): n_ctx x vocabulary floats
+    more. The prompt's forward pass and the decoding after it are timed apart, as for delspec
+    ("lookup": up to the first new token, which its loop samples in the same step).
     """
 
     def __init__(self, lm: LoadedModel) -> None:
@@ -246,31 +271,19 @@ class LlamaCppBackend:
     def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
         options = dict(options)
         n_ctx = options.pop("n_ctx", self.context)
-        if strategy != "greedy" or options:
-            raise ConfigError(f"llama.cpp {strategy} takes no options {options}")
         if not isinstance(n_ctx, int) or n_ctx < 2:
             raise ConfigError(f"n_ctx must be an integer >= 2, got {n_ctx!r}")
+        if strategy == "lookup":
+            return self._lookup(n_ctx, *lookup_setting(options))
+        if strategy != "greedy" or options:
+            raise ConfigError(f"llama.cpp {strategy} takes no options {options}")
         llama_cpp = self.llama_cpp
-        threads = torch.get_num_threads()
-        llm = llama_cpp.Llama(
-            model_path=self.lm.source,
-            n_ctx=n_ctx,
-            n_batch=min(n_ctx, 512),
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
-        context = min(llm.n_ctx(), self.lm.model.config.max_position)
+        llm = self._llama(n_ctx)
         greedy = llama_cpp.llama_sampler_init_greedy()  # argmax of the last position's logits
         eos = set(self.lm.eos_token_ids)
 
         def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
-            if len(prompt_ids) >= context:
-                raise ConfigError(
-                    f"the prompt has {len(prompt_ids)} tokens but llama.cpp's context is "
-                    f"{context} (n_ctx)"
-                )
-            limit = min(max_new_tokens, context - len(prompt_ids))
+            limit = self._limit(llm, prompt_ids, max_new_tokens)
             llm.reset()  # no reuse of the previous prompt's KV cache
             start = time.perf_counter()
             llm.eval(prompt_ids)
@@ -288,6 +301,57 @@ class LlamaCppBackend:
         weakref.finalize(generate, llama_cpp.llama_sampler_free, greedy)
         return generate
 
+    def _lookup(self, n_ctx: int, draft_length: int, ngram: int) -> Generate:
+        """`Llama.generate` at temperature 0 with the prompt-lookup drafter."""
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        drafter = LlamaPromptLookupDecoding(max_ngram_size=ngram, num_pred_tokens=draft_length)
+        # logits_all sizes the logits buffer for every context position, which the speculative
+        # loop fills (with its default, n_batch rows, a context past n_batch tokens overflows it)
+        llm = self._llama(n_ctx, draft_model=drafter, logits_all=True)
+        eos = set(self.lm.eos_token_ids)
+
+        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+            limit = self._limit(llm, prompt_ids, max_new_tokens)
+            llm.reset()  # no reuse of the previous prompt's KV cache
+            start = time.perf_counter()
+            # temperature 0 and no repeat penalty: llama.cpp's greedy sampler alone
+            stream = llm.generate(prompt_ids, temp=0.0, repeat_penalty=1.0)
+            tokens = [next(stream)]
+            prefilled = time.perf_counter()
+            while tokens[-1] not in eos and len(tokens) < limit:
+                tokens.append(next(stream))
+            end = time.perf_counter()
+            return Output(tokens, prefill_s=prefilled - start, decode_s=end - prefilled)
+
+        return generate
+
+    def _llama(self, n_ctx: int, **options: Any) -> Any:
+        """A `llama_cpp.Llama` on the GGUF file with a context of `n_ctx` tokens rounded up to
+        `LLAMA_CTX_PAD`, `--threads` threads, and `options` (further constructor arguments)."""
+        n_ctx = -(-n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
+        threads = torch.get_num_threads()
+        return self.llama_cpp.Llama(
+            model_path=self.lm.source,
+            n_ctx=n_ctx,
+            n_batch=min(n_ctx, 512),
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+            **options,
+        )
+
+    def _limit(self, llm: Any, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """How many new tokens fit after `prompt_ids` in `llm`'s context, at most
+        `max_new_tokens`; raises `ConfigError` when the prompt itself does not fit."""
+        context = min(llm.n_ctx(), self.lm.model.config.max_position)
+        if len(prompt_ids) >= context:
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens but llama.cpp's context is "
+                f"{context} (n_ctx)"
+            )
+        return min(max_new_tokens, context - len(prompt_ids))
+
 
 BACKENDS: dict[str, Callable[[LoadedModel], Backend]] = {
     "delspec": DelspecBackend,
@@ -295,6 +359,22 @@ BACKENDS: dict[str, Callable[[LoadedModel], Backend]] = {
     "economize": EconomizeBackend,
     "llama-cpp": LlamaCppBackend,
 }
+
+
+def lookup_setting(options: Mapping[str, Any]) -> tuple[int, int]:
+    """(d, ngram) of prompt-lookup decoding from `options`: `draft_length` d, the most tokens
+    copied from the context per round, and `ngram`, the longest n-gram of the context's end
+    looked up earlier in it (`LOOKUP_DEFAULTS`). Raises `ConfigError` for another option or a
+    value that is not a positive integer."""
+    if unknown := sorted(set(options) - set(LOOKUP_DEFAULTS)):
+        raise ConfigError(
+            f"prompt lookup takes the options draft_length (d) and ngram, not {', '.join(unknown)}"
+        )
+    setting = {**LOOKUP_DEFAULTS, **options}
+    for name, value in setting.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    return setting["draft_length"], setting["ngram"]
 
 
 def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, int]:

@@ -6,7 +6,7 @@ because of it:
 - ``setup_mib``: RSS growth while its generator is built and warmed up (the weights, copies and
   buffers it makes itself: a peer's own model, delspec's pruned draft heads), less what
   delspec's model grew by meanwhile (counted in ``shared_mib``). Methods sharing a backend
-  (``hf`` and ``hf-early-exit``) count its model once, at the first.
+  (``hf``, ``hf-early-exit`` and ``hf-lookup``) count its model once, at the first.
 - ``run_mib``: the most that the RSS peaked above its level just before one of the method's
   evaluated generations (KV cache, activations; sweeps' calibration runs are not counted). The
   kernel's peak-RSS counter is reset before each generation (``/proc/self/clear_refs``), so

@@ -94,6 +94,14 @@ METHODS: dict[str, MethodSpec] = {
         peer=True,
         description="transformers generate(assistant_early_exit=E), d drafts per round",
     ),
+    "hf-lookup": MethodSpec(
+        "lookup",
+        backend="transformers",
+        peer=True,
+        description="transformers generate(prompt_lookup_num_tokens=d, max_matching_ngram_size="
+        "ngram), greedy, same weights: prompt-lookup decoding, up to d drafts per round copied "
+        "from where the context's last ngram tokens occurred before (d=10, ngram=2)",
+    ),
     "economize-early-exit": MethodSpec(
         "early-exit",
         backend="economize",
@@ -106,6 +114,14 @@ METHODS: dict[str, MethodSpec] = {
         peer=True,
         description="llama.cpp (llama-cpp-python), greedy, on the same GGUF file (its own "
         "kernels; a quantized file's weights stay quantized); option n_ctx",
+    ),
+    "llama-cpp-lookup": MethodSpec(
+        "lookup",
+        backend="llama-cpp",
+        peer=True,
+        description="llama-cpp-python's prompt-lookup decoding (LlamaPromptLookupDecoding("
+        "num_pred_tokens=d, max_ngram_size=ngram), d=10, ngram=2), greedy, on the same GGUF "
+        "file as llama-cpp; options d, ngram, n_ctx",
     ),
 }
 
