@@ -184,7 +184,7 @@ def _fast_policy(layer_seconds, head_seconds, matched, mismatched, context_hits,
     policy.stats.matched = torch.tensor(matched, dtype=torch.float64)
     policy.stats.mismatched = torch.tensor(mismatched, dtype=torch.float64)
     policy._choose()
-    score = policy.context
+    score = policy.context_score
     hits, misses = context_hits
     for _ in range(12):  # rounds whose proposals matched `hits` tokens, then missed `misses`
         score.stats.update(
@@ -245,5 +245,5 @@ def test_proposals_are_scored_against_the_committed_tokens():
     policy.cost = MeasuredCost(profile(*LINEAR), model.num_layers)  # nothing pays: plain steps
     got = decode_tokens(model, prompt, policy, max_new_tokens=40)
     assert got.token_ids == expected.token_ids and got.stats.drafted == 0
-    stats = policy.context.stats
+    stats = policy.context_score.stats
     assert float((stats.matched + stats.mismatched).sum()) > 0

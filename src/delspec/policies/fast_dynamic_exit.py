@@ -111,7 +111,7 @@ class FastDynamicExit(DynamicExit):
         self.cursor = 0  # rotation over candidates under a shadow budget
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
-        self.context = _ContextScore(self.omega, self.prior)
+        self.context_score = _ContextScore(self.omega, self.prior)
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
@@ -122,7 +122,7 @@ class FastDynamicExit(DynamicExit):
             layer_plan = Plan(0, 0)
         else:
             layer_plan = super().plan()
-        self.context.proposed(proposal)
+        self.context_score.proposed(proposal)
         if not proposal.tokens or self.in_warmup or not isinstance(self.cost, MeasuredCost):
             return layer_plan
         return self._with_context(layer_plan, proposal.tokens, proposal.order)
@@ -132,7 +132,7 @@ class FastDynamicExit(DynamicExit):
         suffix match of `order` tokens), alone or followed by `layer_plan`'s exit-layer drafts:
         whichever promises the most tokens per second."""
         cost = self.cost
-        first, then = self.context.acceptance(order)
+        first, then = self.context_score.acceptance(order)
         best, value, expected, chance = 0, 0.0, 1.0, first
         for k in range(1, len(tokens) + 1):  # draft the first k context tokens
             expected += chance
@@ -159,7 +159,7 @@ class FastDynamicExit(DynamicExit):
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
         in_warmup = self.in_warmup
-        self.context.committed(record)
+        self.context_score.committed(record)
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
