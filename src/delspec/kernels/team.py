@@ -5,8 +5,10 @@ together. When other processes hold the cores, a thread can lose its core while 
 wait for it at a barrier; the layer calls report such waits (a wait that outlasted the waiting
 thread's own share of the work went to sleep, `layers.c`). While calls keep reporting them, each
 call shape (rows, layer range) runs with whichever of the full team and one thread has been
-faster lately for it (decayed means of measured seconds), trying the other one call in
-`EXPLORE`. No waits, no trials: on a quiet machine the team is always the full one.
+faster lately for it (decayed means of measured seconds, a faster call taken at once), trying
+the other one call in `EXPLORE`, or in twice as many each time a trial does not change the
+choice (up to `MAX_EXPLORE`). No waits, no trials: on a quiet machine the team is always the
+full one.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections import deque
 
 import torch
 
-EXPLORE = 8  # while contended, one call in this many per shape runs the other team size
-WINDOW = 8  # calls over which sleeping waits are counted
-DECAY = 0.3  # weight of the newest time in a shape's decayed mean
+EXPLORE = 8  # while contended, one call in this many per shape runs the other team size...
+MAX_EXPLORE = 64  # ...or in up to this many, while trials keep confirming the choice
+WINDOW = 8  # team calls over which sleeping waits are counted
+DECAY = 0.5  # weight of the newest time in a shape's decayed mean
 
 
 class Team:
@@ -27,6 +30,7 @@ class Team:
         self.recent: deque[bool] = deque(maxlen=WINDOW)  # team calls: whether any wait slept
         self.seconds: dict[tuple, dict[int, float]] = {}  # shape -> team size -> decayed mean
         self.calls: dict[tuple, int] = {}
+        self.trials: dict[tuple, tuple[int, int, int]] = {}  # shape -> next trial, interval, best
         self.solo = False  # whether the last layer call chose one thread
 
     def contended(self) -> bool:
@@ -47,7 +51,15 @@ class Team:
             choice = 1
         else:
             best = min(times, key=times.__getitem__)
-            choice = (1 if best == full else full) if count % EXPLORE == 0 else best
+            at, interval, before = self.trials.get(shape, (count + EXPLORE, EXPLORE, best))
+            if best != before:
+                at, interval = min(at, count + EXPLORE), EXPLORE
+            choice = best
+            if count >= at:  # a trial of the other size
+                choice = 1 if best == full else full
+                interval = min(2 * interval, MAX_EXPLORE)
+                at = count + interval
+            self.trials[shape] = (at, interval, best)
         self.solo = choice == 1
         return choice
 
@@ -64,10 +76,15 @@ class Team:
         if not self.contended():
             self.seconds.clear()
             self.calls.clear()
+            self.trials.clear()
             return
         times = self.seconds.setdefault(shape, {})
         old = times.get(threads)
-        times[threads] = seconds if old is None else (1 - DECAY) * old + DECAY * seconds
+        # quick to credit a faster call (a trial that finds the cores free again), slower to
+        # forget a fast past
+        times[threads] = (
+            seconds if old is None else min(seconds, (1 - DECAY) * old + DECAY * seconds)
+        )
 
 
 TEAM = Team()
