@@ -70,7 +70,7 @@ class CostProfile:
     key: str
     measured_at: float
     version: int = PROFILE_VERSION
-    settled: bool = True
+    settled: bool = field(default=True, compare=False)
     path: str = field(default="", compare=False)
 
     def scale(self, factor: float, multi_row_only: bool = False) -> None:
@@ -267,12 +267,13 @@ class CostCheck:
 
     Rounds are of two kinds, plain steps and drafting rounds, each with its own window of the
     last `window` ratios actual / predicted (the policy's own overhead, which the measured
-    rounds do not include, taken off the prediction). When a full window's median lies outside
-    [`low`, `high`], the profile is scaled by it in place: by the plain steps' median, every
-    timing (the machine is slower or faster than when the profile was timed); by the drafting
-    rounds' median, the timings only drafting rounds use. The window then starts afresh. A
-    factor beyond `extreme` (or its inverse) also marks the profile's file stale, so that the
-    next run measures it again; the first correction prints one line to stderr.
+    rounds do not include, taken off the prediction). When three quarters of a full window lie
+    beyond [`low`, `high`] on one side, the profile is scaled in place by their median: for
+    plain steps, every timing (the machine is slower or faster than when the profile was
+    timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
+    window of plain steps has confirmed (or corrected) theirs. The window then starts
+    afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
+    that the next run measures it again. The first correction prints one line to stderr.
     """
 
     def __init__(
@@ -287,6 +288,7 @@ class CostCheck:
         self.window, self.low, self.high, self.extreme = window, low, high, extreme
         self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}
         self.corrections: list[float] = []  # factors applied, in order
+        self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
         self.said = False
 
     _checks: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
@@ -300,7 +302,10 @@ class CostCheck:
 
     def observe_round(self, record: Round) -> float | None:
         """`observe` a round the engine ran, predicted by the cost's grid for its plan: exit
-        layer, tokens drafted, vocabulary level (a plain step: d = 0)."""
+        layer, tokens drafted, vocabulary level (a plain step: d = 0). A profile that was not
+        measured (no `path`: given by hand) is left as it is."""
+        if not self.cost.profile.path:
+            return None
         d = len(record.drafted)
         predicted = self.cost.grid(
             torch.tensor([record.exit_layer if d else 0]),
@@ -320,11 +325,16 @@ class CostCheck:
         ratios.append(actual / model_s)
         if len(ratios) < self.window:
             return None
-        factor = statistics.median(ratios)
-        if self.low <= factor <= self.high:
+        high = [r for r in ratios if r > self.high]
+        low = [r for r in ratios if r < self.low]
+        beyond = max(high, low, key=len)
+        if 4 * len(beyond) < 3 * self.window:
+            self.plain_confirmed |= not drafted and not high and not low
             return None
+        factor = statistics.median(beyond)
         profile = self.cost.profile
-        profile.scale(factor, multi_row_only=drafted)
+        profile.scale(factor, multi_row_only=drafted and self.plain_confirmed)
+        self.plain_confirmed |= not drafted
         ratios.clear()
         if not drafted:
             self.ratios[True].clear()  # their predictions changed too
