@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.costs import CostProfile, LayerCost, MeasuredCost, cached_profile
+from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead
 from delspec.exit_statistics import best_plan, expected_tokens
@@ -116,3 +116,44 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
     (path,) = tmp_path.glob("profile-*.json")
     assert set(json.loads(path.read_text())["draft_heads"]) == {"64", "8,64"}
     assert cached_profile(ExitHead(model), 2, 4, tmp_path) == full
+
+
+def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsys):
+    layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
+    cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
+    cost.overhead = 0.5  # policy time: not in the rounds' measured seconds
+    check = CostCheck(cost)
+    # within [0.7, 1.4] of the prediction: noise, nothing changes
+    for ratio in [0.8, 1.3] * 20:
+        assert check.observe(11.0, 10.5 * ratio, drafted=False) is None
+    assert cost.profile.layer == layer
+    # plain steps 2.3x slower than predicted for a sustained stretch (3/4 of the window of 16):
+    # every timing scaled
+    factors = [check.observe(11.0, 10.5 * 2.3, drafted=False) for _ in range(12)]
+    assert factors[:11] == [None] * 11 and factors[11] == pytest.approx(2.3)
+    assert cost.profile.layer == pytest.approx([t * 2.3 for t in layer])
+    assert cost.profile.head == pytest.approx([t * 2.3 for t in head])
+    assert cost.profile.draft_head == pytest.approx([0.25 * 2.3])
+    assert "disagreed with measured rounds (x2.3); corrected" in capsys.readouterr().err
+    # drafting rounds 2x faster than predicted: only what plain steps do not use
+    for _ in range(16):
+        check.observe(20.0 + 0.5, 10.0, drafted=True)
+    assert cost.profile.layer[0] == pytest.approx(2.3) and cost.profile.head[0] == 0.5 * 2.3
+    assert cost.profile.layer[1] == pytest.approx(1.5 * 2.3 * 0.5)
+    assert cost.profile.draft_layer == pytest.approx(2.3 * 0.5)
+    assert check.corrections == pytest.approx([2.3, 0.5])
+    assert capsys.readouterr().err == ""  # said once
+
+
+def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
+    head = ExitHead(tiny_model(seed=0))
+    measured = cached_profile(head, 2, 4, tmp_path)
+    cost = MeasuredCost(measured, head.model.num_layers)
+    plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
+    for _ in range(16):
+        CostCheck.of(cost).observe(plain, plain / 100, drafted=False)
+    assert CostCheck.of(cost).corrections == pytest.approx([0.01])
+    (path,) = tmp_path.glob("profile-*.json")
+    assert json.loads(path.read_text())["settled"] is False
+    again = cached_profile(head, 2, 4, tmp_path)  # measured afresh, not the far-off file
+    assert again.measured_at > measured.measured_at and again.settled in (True, False)

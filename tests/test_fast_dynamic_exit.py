@@ -3,11 +3,13 @@ prior and min_evidence rules, acceptance in runs, draft vocabulary levels, the s
 
 from __future__ import annotations
 
+import json
+
 import torch
 from test_costs import profile
 from tiny_models import tiny_model
 
-from delspec.costs import MeasuredCost
+from delspec.costs import CostCheck, MeasuredCost
 from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
@@ -242,3 +244,27 @@ def test_plain_rounds_update_the_final_layer_from_their_verification():
     assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
     others = [r for r in range(2 * len(policy.candidates)) if r not in rows]
     assert (policy.stats.matched + policy.stats.mismatched)[others].sum() == 0
+
+
+def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    model = tiny_model(seed=3, shallow=2)
+    prompt = list(range(1, 30))
+    first = make_policy("del-fast", model.num_layers)
+    decode_tokens(model, prompt, first, max_new_tokens=4)  # measures and caches the profile
+    (path,) = (tmp_path / "costs").glob("profile-*.json")
+    stored = json.loads(path.read_text())
+    busy = {**stored, "layer": [t * 100 for t in stored["layer"]]}
+    busy["head"] = [t * 100 for t in stored["head"]]
+    busy["draft_layer"] = stored["draft_layer"] * 100
+    busy["draft_heads"] = {k: [t * 100 for t in v] for k, v in stored["draft_heads"].items()}
+    path.write_text(json.dumps(busy))
+    policy = make_policy("del-fast", model.num_layers)
+    got = decode_tokens(model, prompt, policy, max_new_tokens=100)
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100)
+    assert got.token_ids == expected.token_ids
+    check = CostCheck.of(policy.cost)
+    assert check.corrections and check.corrections[0] < 1 / 3  # fired, and far off
+    corrected = policy.cost.profile  # the numbers came down
+    assert corrected.layer[0] < busy["layer"][0] / 3 and corrected.head[0] < busy["head"][0] / 3
+    assert json.loads(path.read_text())["settled"] is False  # measured again next start

@@ -1,29 +1,38 @@
 """Cost models for choosing the exit layer and draft length: what one round costs.
 
 `LayerCost` is the paper's (layer loads). `MeasuredCost` uses seconds measured on the actual
-device, dtype and thread count (`measure_profile`), cached per model and setting.
+device, dtype and thread count (`measure_profile`), cached per model and setting. A profile timed
+while the machine was busy would mislead every later run that reads it (issue 29: 250x too slow,
+for a week), so timings are taken in interleaved rounds until two takes agree, and `CostCheck`
+compares a run's rounds with the profile's predictions and corrects the profile (and marks its
+file for measuring again) when they disagree for a sustained stretch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import sys
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from delspec.cache import write_atomically
-from delspec.engine import ExitHead
+from delspec.engine import ExitHead, Round
 from delspec.kernels.build import build_key, cpu_name
-from delspec.timing import median_seconds
+from delspec.timing import settled_seconds
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
-PROFILE_VERSION = 8
+UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
+PROFILE_VERSION = 9
 
 
 class LayerCost:
@@ -48,7 +57,9 @@ class CostProfile:
     `layer[k - 1]`: k new tokens through one layer (after a context); `head[k - 1]`: k rows
     through the full LM head; `draft_layer`: one token through one layer as drafts run it (on
     int8 weights when `int8`); `draft_head[v]`: one row through the draft head's vocabulary
-    level v (`ExitHead.vocabs`), for the head the profile was loaded for.
+    level v (`ExitHead.vocabs`), for the head the profile was loaded for. `settled`: whether
+    the timings can be trusted (two takes agreed); an unsettled profile is measured again after
+    an hour rather than a week. `path`: the file it was read from or written to (not stored).
     """
 
     layer: list[float]
@@ -59,6 +70,17 @@ class CostProfile:
     key: str
     measured_at: float
     version: int = PROFILE_VERSION
+    settled: bool = field(default=True, compare=False)
+    path: str = field(default="", compare=False)
+
+    def scale(self, factor: float, multi_row_only: bool = False) -> None:
+        """Multiply the timings by `factor` in place: all of them, or (`multi_row_only`) only
+        those that plain one-token steps do not use (several rows, drafts)."""
+        first = 1 if multi_row_only else 0
+        self.layer[first:] = [t * factor for t in self.layer[first:]]
+        self.head[first:] = [t * factor for t in self.head[first:]]
+        self.draft_layer *= factor
+        self.draft_head = [t * factor for t in self.draft_head]
 
 
 class MeasuredCost:
@@ -144,10 +166,11 @@ def measure_profile(
     exit_layer: int,
     max_tokens: int,
     context: int = 128,
-    repeats: int = 5,
+    repeats: int = 3,
 ) -> CostProfile:
     """Time the primitives a round is made of, for 1..max_tokens new tokens; drafts through
-    `exit_head` as exit layer `exit_layer`."""
+    `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in which
+    they all take turns, taken again until two takes agree (`settled_seconds`)."""
     model = exit_head.model
     cfg, int8 = model.config, exit_head.int8
     total = min(cfg.max_position, context + max_tokens + 1)
@@ -159,46 +182,47 @@ def measure_profile(
         model.run_layers(model.embed(ids[:context]), 0, 0, cfg.num_layers)
         states = model.embed(ids[context:])
 
-        def seconds(fn: Callable[[], object]) -> float:
-            return median_seconds(fn, repeats, model.device)
-
-        layers, heads = [], []
+        runs: dict[object, Callable[[], object]] = {}
         for k in range(1, max_tokens + 1):
             h = states[:k]
-            layers.append(seconds(lambda h=h: model.run_layers(h, context, 0, cfg.num_layers)))
-            heads.append(seconds(lambda h=h: model.head(h)))
+            runs["layer", k] = lambda h=h: model.run_layers(h, context, 0, cfg.num_layers)
+            runs["head", k] = lambda h=h: model.head(h)
         one = states[:1]
-        layers_as_drafted = seconds(
-            lambda: model.run_layers(one, context, 0, cfg.num_layers, None, int8)
-        )
+        runs["drafted"] = lambda: model.run_layers(one, context, 0, cfg.num_layers, None, int8)
+        seconds, settled = settled_seconds(runs, repeats, model.device)
+    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     return CostProfile(
-        layer=[t / cfg.num_layers for t in layers],
-        head=heads,
-        draft_layer=layers_as_drafted / cfg.num_layers,
-        draft_head=measure_draft_heads(exit_head, exit_layer, repeats),
+        layer=[seconds["layer", k] / cfg.num_layers for k in range(1, max_tokens + 1)],
+        head=[seconds["head", k] for k in range(1, max_tokens + 1)],
+        draft_layer=seconds["drafted"] / cfg.num_layers,
+        draft_head=draft_head,
         int8=int8,
         key=profile_key(exit_head),
         measured_at=time.time(),
+        settled=settled and heads_settled,
     )
 
 
-def measure_draft_heads(exit_head: ExitHead, exit_layer: int, repeats: int = 5) -> list[float]:
-    """Seconds of one draft row through each of `exit_head`'s vocabulary levels."""
+def measure_draft_heads(
+    exit_head: ExitHead, exit_layer: int, repeats: int = 3
+) -> tuple[list[float], bool]:
+    """Seconds of one draft row through each of `exit_head`'s vocabulary levels, and whether
+    two takes agreed (`settled_seconds`)."""
     model = exit_head.model
     with torch.inference_mode():
         one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
-        return [
-            median_seconds(lambda v=v: exit_head(one, exit_layer, v), repeats, model.device)
-            for v in range(len(exit_head.vocabs))
-        ]
+        runs = {v: lambda v=v: exit_head(one, exit_layer, v) for v in range(len(exit_head.vocabs))}
+        seconds, settled = settled_seconds(runs, repeats, model.device)
+    return [seconds[v] for v in range(len(exit_head.vocabs))], settled
 
 
 def cached_profile(
     exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
 ) -> CostProfile:
     """The profile for this model and setting from `directory`, measured again when missing,
-    older than a week, or measured for fewer tokens. Draft head timings are stored per
-    vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is measured and added."""
+    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens. Draft
+    head timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one
+    is measured and added."""
     path = directory / f"profile-{profile_key(exit_head)}.json"
     vocab = ",".join(map(str, exit_head.vocab_sizes))
     stored = _read_profile(path, max_tokens)
@@ -209,27 +233,33 @@ def cached_profile(
             file=sys.stderr,
         )
         profile = measure_profile(exit_head, exit_layer, max_tokens)
+        profile.path = str(path)
         _write_profile(path, profile, {vocab: profile.draft_head})
         return profile
     profile, draft_heads = stored
+    profile.path = str(path)
     if vocab in draft_heads:
         profile.draft_head = draft_heads[vocab]
     else:
-        profile.draft_head = draft_heads[vocab] = measure_draft_heads(exit_head, exit_layer)
+        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer)
+        draft_heads[vocab] = profile.draft_head
+        profile.settled = settled
         _write_profile(path, profile, draft_heads)
     return profile
 
 
 def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
     """A stored profile (without draft head timings) and its draft heads' timings; None when
-    missing, unreadable, of another version, older than a week, or for fewer tokens."""
+    missing, unreadable, of another version, older than a week (an hour when not settled), or
+    for fewer tokens."""
     try:
         stored = json.loads(path.read_text())
         draft_heads = dict(stored.pop("draft_heads"))
         profile = CostProfile(**stored, draft_head=[])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    fresh = time.time() - profile.measured_at < PROFILE_MAX_AGE_S
+    age = PROFILE_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
+    fresh = time.time() - profile.measured_at < age
     if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
         return profile, draft_heads
     return None
@@ -237,6 +267,109 @@ def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, l
 
 def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
     """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
-    stored = {k: v for k, v in asdict(profile).items() if k != "draft_head"}
+    stored = {k: v for k, v in asdict(profile).items() if k not in ("draft_head", "path")}
     text = json.dumps({**stored, "draft_heads": draft_heads})
     write_atomically(path, lambda scratch: scratch.write_text(text))
+
+
+def mark_stale(path: str | Path) -> None:
+    """Mark the profile stored at `path` stale (unsettled, measured at time 0), so that the next
+    run measures it again (a missing or unreadable file is left alone)."""
+    try:
+        stored = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return
+    text = json.dumps({**stored, "settled": False, "measured_at": 0.0})
+    write_atomically(Path(path), lambda scratch: scratch.write_text(text))
+
+
+class CostCheck:
+    """Compares the seconds a `MeasuredCost` predicts for each round with the seconds the round
+    took, and corrects the profile when they disagree for a sustained stretch.
+
+    Rounds are of two kinds, plain steps and drafting rounds, each with its own window of the
+    last `window` ratios actual / predicted (the policy's own overhead, which the measured
+    rounds do not include, taken off the prediction). When three quarters of a full window lie
+    beyond [`low`, `high`] on one side, the profile is scaled in place by their median: for
+    plain steps, every timing (the machine is slower or faster than when the profile was
+    timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
+    window of plain steps has confirmed (or corrected) theirs. The window then starts
+    afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
+    that the next run measures it again. The first correction prints one line to stderr.
+    """
+
+    def __init__(
+        self,
+        cost: MeasuredCost,
+        window: int = 16,
+        low: float = 0.7,
+        high: float = 1.4,
+        extreme: float = 3.0,
+    ) -> None:
+        self.cost = cost
+        self.window, self.low, self.high, self.extreme = window, low, high, extreme
+        self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}
+        self.corrections: list[float] = []  # factors applied, in order
+        self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
+        self.said = False
+
+    _checks: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, cost: MeasuredCost) -> CostCheck:
+        """The check of `cost` (made on first use)."""
+        if cost not in cls._checks:
+            cls._checks[cost] = cls(cost)
+        return cls._checks[cost]
+
+    def observe_round(self, record: Round) -> float | None:
+        """`observe` a round the engine ran, predicted by the cost's grid for its plan: context
+        tokens, exit layer, tokens drafted from it, vocabulary level (a plain step: none). A
+        profile that was not measured (no `path`: given by hand) is left as it is."""
+        if not self.cost.profile.path:
+            return None
+        d = len(record.drafted) - record.from_context
+        predicted = self.cost.grid(
+            torch.tensor([record.exit_layer if d else 0]),
+            torch.tensor([d]),
+            torch.tensor([record.level if d else 0]),
+            context=record.from_context,
+        )
+        actual = record.draft_s + record.verify_s
+        return self.observe(float(predicted[0, 0]), actual, bool(record.drafted))
+
+    def observe(self, predicted: float, actual: float, drafted: bool) -> float | None:
+        """Record one round: `predicted` seconds (the cost's grid, with its overhead), `actual`
+        seconds (drafting and verification). Returns the factor the profile was scaled by, or
+        None."""
+        model_s = predicted - self.cost.overhead
+        if model_s <= 0 or actual <= 0:
+            return None
+        ratios = self.ratios[drafted]
+        ratios.append(actual / model_s)
+        if len(ratios) < self.window:
+            return None
+        high = [r for r in ratios if r > self.high]
+        low = [r for r in ratios if r < self.low]
+        beyond = max(high, low, key=len)
+        if 4 * len(beyond) < 3 * self.window:
+            self.plain_confirmed |= not drafted and not high and not low
+            return None
+        factor = statistics.median(beyond)
+        profile = self.cost.profile
+        profile.scale(factor, multi_row_only=drafted and self.plain_confirmed)
+        self.plain_confirmed |= not drafted
+        ratios.clear()
+        if not drafted:
+            self.ratios[True].clear()  # their predictions changed too
+        self.corrections.append(factor)
+        if not self.said:
+            print(
+                f"delspec: cost profile disagreed with measured rounds (x{factor:.3g}); corrected",
+                file=sys.stderr,
+            )
+            self.said = True
+        if (factor > self.extreme or factor < 1 / self.extreme) and profile.path:
+            mark_stale(profile.path)
+            profile.settled = False
+        return factor

@@ -26,7 +26,7 @@ from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.model import Transformer
 from delspec.modules import Linear
-from delspec.timing import median_seconds
+from delspec.timing import settled_seconds
 
 CHOICE_VERSION = 1
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
@@ -39,9 +39,7 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=times.__getitem__)
 
 
-def _timed(name: str, run: Callable[[], object]) -> float:
-    """The default `Timer`: the median of three runs."""
-    return median_seconds(run)
+ROUNDS = 3  # rounds of a take in which the candidates take turns (`settled_seconds`)
 
 
 def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
@@ -54,8 +52,11 @@ def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
     return dict(groups)
 
 
-def measure_choices(model: Transformer, timer: Timer = _timed) -> dict[str, dict[int, str]]:
-    """Per layer group (`layer_groups`) and row bucket, the fastest candidate kernel."""
+def measure_choices(model: Transformer, timer: Timer | None = None) -> dict[str, dict[int, str]]:
+    """Per layer group (`layer_groups`) and row bucket, the fastest candidate kernel. Without a
+    `timer`, each candidate's fastest of rounds in which the candidates take turns, taken again
+    until two takes agree (`settled_seconds`): a busy moment of the machine cannot fall on one
+    candidate alone."""
     choices: dict[str, dict[int, str]] = {}
     with torch.inference_mode():
         for key, layers in layer_groups(model).items():
@@ -66,7 +67,11 @@ def measure_choices(model: Transformer, timer: Timer = _timed) -> dict[str, dict
                 timed = layers if rows <= STREAMING_ROWS else layers[:2]
                 names = timed[0].candidates(x)
                 if len(names) > 1:
-                    times = {name: timer(name, _products(timed, x, name)) for name in names}
+                    runs = {name: _products(timed, x, name) for name in names}
+                    if timer is None:
+                        times, _ = settled_seconds(runs, ROUNDS)
+                    else:
+                        times = {name: timer(name, run) for name, run in runs.items()}
                     names = (fastest(times),)
                 choices[key][rows] = names[0]
             if "packed" not in choices[key].values():

@@ -35,16 +35,43 @@ def median_seconds(
     return sorted(samples)[len(samples) // 2]
 
 
-def fastest_seconds(runs: dict[Key, Callable[[], object]], rounds: int) -> dict[Key, float]:
-    """Each run's fastest wall time over `rounds` rounds after one untimed call each (CPU work);
-    the runs take turns within a round, so that a busy moment of the machine does not fall on
-    one of them alone."""
+def fastest_seconds(
+    runs: dict[Key, Callable[[], object]], rounds: int, device: torch.device | None = None
+) -> dict[Key, float]:
+    """Each run's fastest wall time over `rounds` rounds after one untimed call each (each
+    timing waiting for `device`'s queued work, where given); the runs take turns within a round,
+    so that a busy moment of the machine does not fall on one of them alone."""
     for run in runs.values():
         run()
     seconds = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for key, run in runs.items():
+            if device is not None:
+                synchronize(device)
             start = time.perf_counter()
             run()
+            if device is not None:
+                synchronize(device)
             seconds[key] = min(seconds[key], time.perf_counter() - start)
     return seconds
+
+
+def settled_seconds(
+    runs: dict[Key, Callable[[], object]],
+    rounds: int,
+    device: torch.device | None = None,
+    tries: int = 3,
+    tolerance: float = 1.25,
+) -> tuple[dict[Key, float], bool]:
+    """`fastest_seconds`, taken again (at most `tries` times in all) until two takes agree: no
+    run's fastest time in one take is more than `tolerance` times the other's. Returns each
+    run's fastest time over all takes, and whether two takes agreed (False: the machine was
+    busy throughout, and the times may be too high)."""
+    best = fastest_seconds(runs, rounds, device)
+    for _ in range(tries - 1):
+        again = fastest_seconds(runs, rounds, device)
+        agree = all(max(again[k], best[k]) <= tolerance * min(again[k], best[k]) for k in runs)
+        best = {k: min(best[k], again[k]) for k in runs}
+        if agree:
+            return best, True
+    return best, tries <= 1

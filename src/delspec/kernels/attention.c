@@ -187,7 +187,7 @@ static void new_key(const AttentionShape *s, const Rows *R, const float *qkv, in
 void dl_attention_write(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
                         const float *cos, const float *sin, float *keys, float *values) {
     int dim = s->dim;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int task = 0; task < R->rows * s->kv_heads; ++task) {
         int r = task / s->kv_heads, g = task % s->kv_heads;
         float scratch[dim];
@@ -205,7 +205,7 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
     int dim = s->dim, heads = s->heads, group = heads / s->kv_heads, rows = R->rows;
     int64_t v_offset = (int64_t)(heads + s->kv_heads) * dim, start = position_of(R, 0);
     int64_t score_n = dl_attention_scratch(s, R) - (2 + rows) * (int64_t)dim;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int task = 0; task < heads * rows; ++task) {
         int h = task / rows, r = task % rows, g = h / group;
         int64_t p = position_of(R, r);

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from delspec.errors import ModelFormatError
 from delspec.kernels.build import library
+from delspec.kernels.team import TEAM
 
 _T = gguf.GGMLQuantizationType
 # The types the compiled kernels multiply (the others are dequantised at load).
@@ -184,7 +185,7 @@ class BlockWeight:
         cols, matmul = self.cols, _library().dl_matmul
         out = torch.empty(*x.shape[:-1], self.rows)
         x_at, out_at, rows = flat.data_ptr(), out.data_ptr(), flat.numel() // cols
-        threads = torch.get_num_threads()
+        threads = TEAM.other_threads()
         for qtype, tiles, part_rows, offset in self._calls:  # the hot path: no more
             status = matmul(
                 qtype, tiles, part_rows, cols, x_at, cols, rows, out_at + offset, self.rows, threads

@@ -2,9 +2,11 @@
  * attention (attention.c), a layer's small operations (layer_ops.c), used one call at a time
  * from Python or all together by a whole layer range (layers.c).
  *
- * Functions marked "work-shared" split their work with `#pragma omp for`: called inside a
- * parallel region by every thread of it, they share the work (and end with a barrier); called
- * outside one, the calling thread does it all.
+ * Functions marked "work-shared" split their work with `#pragma omp for ... nowait`: called
+ * inside a parallel region by every thread of it, they share the work and end *without* a
+ * barrier (the caller waits where it needs the results: layers.c with its own team barrier,
+ * the others at the end of their parallel region); called outside one, the calling thread does
+ * it all.
  */
 #ifndef DELSPEC_KERNELS_H
 #define DELSPEC_KERNELS_H

@@ -8,13 +8,30 @@
  * quantisation) each thread does for itself on its own copy of the states, so it needs no
  * barrier. No step costs a Python call.
  *
+ * The barriers are the team's own (`team_wait`), not OpenMP's: a thread that arrives first spins
+ * only about as long as its own share of the step took, then sleeps until the last one arrives.
+ * OpenMP's spin for a fixed count (libgomp: 300,000 pauses, milliseconds on some CPUs), and
+ * when another process holds the core of the thread being waited for, the spinner burns its own
+ * time slice and the pair falls out of step at every barrier (issue 29: 2 threads ran slower
+ * than 1 on a busy machine, once 10x slower).
+ *
  * Every step is row-exact (each row goes through the same operations whatever the number of
  * rows), so running k positions together gives each the bits of k one-position calls.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <sched.h>
+#ifdef __x86_64__
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -52,6 +69,79 @@ typedef struct {
     const Layer *layers;
 } Model;
 
+/* ---- the team's barrier ------------------------------------------------------------------ */
+
+/* A barrier for the threads of one parallel region. `phase` counts completed barriers; the last
+ * thread to arrive advances it and wakes the sleepers. `slept` counts waits that went to sleep
+ * (for the caller: many of them mean the threads are not running at the same time). */
+typedef struct {
+    atomic_int arrived, phase, sleepers;
+    atomic_long slept;
+} Team;
+
+/* A thread's place in its team: when it left the last barrier. */
+typedef struct {
+    Team *team;
+    int size;
+    double since;
+} Member;
+
+/* Shortest spin before sleeping, in seconds: a sleeping thread takes some microseconds to wake
+ * (more in a VM), so a wait shorter than that is better spun. */
+#define MIN_SPIN 50e-6
+
+static void team_sleep(atomic_int *phase, int seen) {
+#ifdef __linux__
+    syscall(SYS_futex, phase, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    (void)phase, (void)seen;
+    sched_yield();
+#endif
+}
+
+static void team_wake(atomic_int *phase) {
+#ifdef __linux__
+    syscall(SYS_futex, phase, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#else
+    (void)phase;
+#endif
+}
+
+static inline void pause_once(void) {
+#ifdef __x86_64__
+    _mm_pause();
+#endif
+}
+
+/* Waits until every thread of the team has called it (a no-op for a team of one). Spins for
+ * about as long as this thread's own work since the last barrier (at least MIN_SPIN), then
+ * sleeps: a partner that far behind is not running. Orders memory like OpenMP's barrier. */
+static void team_wait(Member *me) {
+    if (me->size <= 1) return;
+    Team *t = me->team;
+    double arrival = omp_get_wtime(), spin = arrival - me->since;
+    int phase = atomic_load_explicit(&t->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == me->size - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_store(&t->phase, phase + 1); /* sequentially consistent with the sleepers' count */
+        if (atomic_load(&t->sleepers)) team_wake(&t->phase);
+        me->since = omp_get_wtime();
+        return;
+    }
+    if (spin < MIN_SPIN) spin = MIN_SPIN;
+    for (int i = 1; atomic_load_explicit(&t->phase, memory_order_acquire) == phase; ++i) {
+        pause_once();
+        if (i % 64 == 0 && omp_get_wtime() - arrival > spin) {
+            atomic_fetch_add(&t->sleepers, 1);
+            atomic_fetch_add_explicit(&t->slept, 1, memory_order_relaxed);
+            while (atomic_load(&t->phase) == phase) team_sleep(&t->phase, phase);
+            atomic_fetch_sub(&t->sleepers, 1);
+            break;
+        }
+    }
+    me->since = omp_get_wtime();
+}
+
 /* out[m][row..row+7] for the tile of weight rows row.. of `w` (row a multiple of 8), plus the
  * bias. */
 static void linear_tile(const Linear *w, int64_t row, const Activations *a, int64_t M, float *out,
@@ -68,26 +158,30 @@ static void linear_tile(const Linear *w, int64_t row, const Activations *a, int6
             for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
 }
 
-/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over tiles. */
-static void linear(const Linear *w, const Activations *a, int64_t M, float *out) {
-#pragma omp for schedule(static)
+/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over tiles, then the
+ * team's barrier. */
+static void linear(const Linear *w, const Activations *a, int64_t M, float *out, Member *me) {
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < (w->N + TILE - 1) / TILE; ++t)
         linear_tile(w, t * TILE, a, M, out + t * TILE, w->N);
+    team_wait(me);
 }
 
 /* act = f(x . W_gate) * (x . W_up), W_gate the first `width` rows of `w` and W_up the next.
- * Work-shared over tiles: each thread takes a tile of gate rows and the matching up rows. */
+ * Work-shared over tiles (each thread takes a tile of gate rows and the matching up rows), then
+ * the team's barrier. */
 static void gated_linear(const Model *m, const Linear *w, const Activations *a, int64_t M,
-                         float *act, float *scratch) {
+                         float *act, float *scratch, Member *me) {
     int width = m->intermediate;
     float *gate = scratch, *up = scratch + M * TILE;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < width / TILE; ++t) {
         linear_tile(w, t * TILE, a, M, gate, TILE);
         linear_tile(w, width + t * TILE, a, M, up, TILE);
         for (int64_t r = 0; r < M; ++r)
             dl_gated_row(gate + r * TILE, up + r * TILE, TILE, m->gelu, act + r * width + t * TILE);
     }
+    team_wait(me);
 }
 
 /* This thread's own states and scratch. */
@@ -135,7 +229,8 @@ static void lap(double *profile, int step, double *since) {
 }
 
 static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, float *att,
-                  float *act, float *delta, const Rows *R, int written, double *profile) {
+                  float *act, float *delta, const Rows *R, int written, double *profile,
+                  Member *me) {
     double since = profile ? omp_get_wtime() : 0.0;
     int width = m->intermediate;
     int64_t rows = R->rows, qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
@@ -144,24 +239,28 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
     Activations a;
     normed(m, own, L->attn_norm, &a, rows);
     lap(profile, NORM, &since);
-    linear(&L->qkv, &a, rows, qkv);
+    linear(&L->qkv, &a, rows, qkv, me);
     lap(profile, QKV, &since);
-    if (written) dl_attention_write(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values);
+    if (written) {
+        dl_attention_write(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values);
+        team_wait(me);
+    }
     dl_attention_rows(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values, att, written,
                       own->attention);
+    team_wait(me);
     lap(profile, ATTENTION, &since);
     dl_activations_at(&a, own->quantised, rows, att_n);
     dl_quantise_rows(att, att_n, 0, rows, &a);
-    linear(&L->o, &a, rows, delta);
+    linear(&L->o, &a, rows, delta, me);
     lap(profile, OUTPUT, &since);
     residual(m, own, delta, L->post_attn_norm, rows);
     normed(m, own, L->mlp_norm, &a, rows);
     lap(profile, MLP_NORM, &since);
-    gated_linear(m, &L->gate_up, &a, rows, act, own->gate);
+    gated_linear(m, &L->gate_up, &a, rows, act, own->gate, me);
     lap(profile, GATE_UP, &since);
     dl_activations_at(&a, own->quantised, rows, width);
     dl_quantise_rows(act, width, 0, rows, &a);
-    linear(&L->down, &a, rows, delta);
+    linear(&L->down, &a, rows, delta, me);
     lap(profile, DOWN, &since);
     residual(m, own, delta, L->post_mlp_norm, rows);
     lap(profile, RESIDUAL, &since);
@@ -173,10 +272,12 @@ static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
  * positions[r] of cache slot slots[r] (a sequence), writing their keys and values into the
  * cache. With `collect`, each layer's output is copied to collect[(i - first) * rows * hidden];
  * with `profile`, seconds per step of a layer are added to profile[0..7] (norm, q/k/v,
- * attention, output, MLP norm, gate/up, down, residual). Returns 0, or -2 when out of memory. */
+ * attention, output, MLP norm, gate/up, down, residual). With `waits`, waits[0] gets the
+ * number of barrier waits of the call (all threads but the last to arrive, at each barrier)
+ * and waits[1] how many of them slept (a partner thread was far behind: not running). Returns 0, or -2 when out of memory. */
 int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
               const int64_t *slots, int first, int last, float *collect, int threads,
-              double *profile) {
+              double *profile, int64_t *waits) {
     if (first >= last) return 0;
     int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
     int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
@@ -211,19 +312,28 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
     float *delta = (float *)(arena + shared[0] + shared[1] + shared[2]);
     char *owned = arena + shared[0] + shared[1] + shared[2] + shared[3];
 
+    Team shared_team = {0};
+    int size = 1;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
+        Member me = {&shared_team, omp_get_num_threads(), omp_get_wtime()};
+        if (omp_get_thread_num() == 0) size = me.size;
         char *at = owned + own_bytes * (size_t)omp_get_thread_num();
         Own own = {(float *)at, (float *)(at + states), (float *)(at + 2 * states),
                    (float *)(at + 3 * states), at + 3 * states + gates,
                    (float *)(at + 3 * states + gates + quantised)};
         memcpy(own.h, h, (size_t)(rows * d) * 4);
         for (int i = first; i < last; ++i) {
-            layer(m, &m->layers[i], &own, qkv, att, act, delta, &R, written, profile);
+            layer(m, &m->layers[i], &own, qkv, att, act, delta, &R, written, profile, &me);
             if (collect && omp_get_thread_num() == 0)
                 memcpy(collect + (int64_t)(i - first) * rows * d, own.h, (size_t)(rows * d) * 4);
         }
         if (omp_get_thread_num() == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
+    }
+    if (waits) {
+        int per_layer = 5 + (written ? 1 : 0);
+        waits[0] = (int64_t)(size - 1) * per_layer * (last - first);
+        waits[1] = atomic_load(&shared_team.slept);
     }
     return 0;
 }

@@ -9,6 +9,7 @@ tiles, norms and biases); `bind` adds the KV cache and RoPE tables whenever they
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from delspec.kernels.blocks import TILE
 from delspec.kernels.build import library
+from delspec.kernels.team import TEAM
 
 if TYPE_CHECKING:
     from delspec.model import Transformer
@@ -127,6 +129,7 @@ class LayerKernels:
             layers=self.layers,
         )
         self._tables: tuple[Tensor, dict] | None = None
+        self._waits = torch.zeros(2, dtype=torch.int64)  # barrier waits, and those that slept
 
     @staticmethod
     def for_model(model: Transformer) -> LayerKernels | None:
@@ -170,11 +173,14 @@ class LayerKernels:
         """Layers `[first, last)` on states `h` `[rows, hidden]`, row r at position
         `positions[r]` of cache slot `slots[r]`; each layer's output is appended to `collect` if
         given. `profile` (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are
-        added to it."""
+        added to it. Threads: as many as `TEAM` says (torch's count unless contended)."""
         out = h.contiguous().clone()
         rows = out.shape[0]
         where = torch.tensor([positions, slots], dtype=torch.int64)
         states = torch.empty(last - first, rows, out.shape[1]) if collect is not None else None
+        shape = (rows, first, last)
+        threads = TEAM.threads(shape)
+        start = time.perf_counter()
         status = library().dl_layers(
             ctypes.byref(self.description),
             out.data_ptr(),
@@ -184,9 +190,12 @@ class LayerKernels:
             first,
             last,
             None if states is None else states.data_ptr(),
-            torch.get_num_threads(),
+            threads,
             None if profile is None else profile.data_ptr(),
+            self._waits.data_ptr(),
         )
+        waits, slept = self._waits.tolist()
+        TEAM.report(shape, threads, time.perf_counter() - start, waits, slept)
         if status:
             raise MemoryError("out of memory in the compiled layers")
         if states is not None:

@@ -1,0 +1,90 @@
+"""How many threads the compiled kernels use, chosen by what their calls measure.
+
+torch's thread count (`torch.get_num_threads()`) is the team size while the team's threads run
+together. When other processes hold the cores, a thread can lose its core while its partners
+wait for it at a barrier; the layer calls report such waits (a wait that outlasted the waiting
+thread's own share of the work went to sleep, `layers.c`). While calls keep reporting them, each
+call shape (rows, layer range) runs with whichever of the full team and one thread has been
+faster lately for it (decayed means of measured seconds, a faster call taken at once), trying
+the other one call in `EXPLORE`, or in twice as many each time a trial does not change the
+choice (up to `MAX_EXPLORE`). No waits, no trials: on a quiet machine the team is always the
+full one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+EXPLORE = 8  # while contended, one call in this many per shape runs the other team size...
+MAX_EXPLORE = 64  # ...or in up to this many, while trials keep confirming the choice
+WINDOW = 8  # team calls over which sleeping waits are counted
+DECAY = 0.5  # weight of the newest time in a shape's decayed mean
+
+
+class Team:
+    """The team size for the next compiled call; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.recent: deque[bool] = deque(maxlen=WINDOW)  # team calls: whether any wait slept
+        self.seconds: dict[tuple, dict[int, float]] = {}  # shape -> team size -> decayed mean
+        self.calls: dict[tuple, int] = {}
+        self.trials: dict[tuple, tuple[int, int, int]] = {}  # shape -> next trial, interval, best
+        self.solo = False  # whether the last layer call chose one thread
+
+    def contended(self) -> bool:
+        """Whether at least half of the recent team calls had a wait that slept."""
+        return sum(self.recent) * 2 >= WINDOW
+
+    def threads(self, shape: tuple) -> int:
+        """Threads for a layer call of `shape`."""
+        full = torch.get_num_threads()
+        if full <= 1 or not self.contended():
+            self.solo = False
+            return full
+        times = self.seconds.get(shape, {})
+        count = self.calls[shape] = self.calls.get(shape, 0) + 1
+        if full not in times:
+            choice = full
+        elif 1 not in times:
+            choice = 1
+        else:
+            best = min(times, key=times.__getitem__)
+            at, interval, before = self.trials.get(shape, (count + EXPLORE, EXPLORE, best))
+            if best != before:
+                at, interval = min(at, count + EXPLORE), EXPLORE
+            choice = best
+            if count >= at:  # a trial of the other size
+                choice = 1 if best == full else full
+                interval = min(2 * interval, MAX_EXPLORE)
+                at = count + interval
+            self.trials[shape] = (at, interval, best)
+        self.solo = choice == 1
+        return choice
+
+    def other_threads(self) -> int:
+        """Threads for the other compiled calls (products such as the head): one while the
+        layers run on one."""
+        return 1 if self.solo else torch.get_num_threads()
+
+    def report(self, shape: tuple, threads: int, seconds: float, waits: int, slept: int) -> None:
+        """What a layer call of `shape` with `threads` measured: its seconds, and of its
+        barrier waits, how many slept."""
+        if threads > 1 and waits:
+            self.recent.append(slept > 0)
+        if not self.contended():
+            self.seconds.clear()
+            self.calls.clear()
+            self.trials.clear()
+            return
+        times = self.seconds.setdefault(shape, {})
+        old = times.get(threads)
+        # quick to credit a faster call (a trial that finds the cores free again), slower to
+        # forget a fast past
+        times[threads] = (
+            seconds if old is None else min(seconds, (1 - DECAY) * old + DECAY * seconds)
+        )
+
+
+TEAM = Team()

@@ -1,0 +1,47 @@
+"""The compiled kernels' team size: the full team unless its threads are seen not to run
+together, then whichever of the full team and one thread measures faster."""
+
+from __future__ import annotations
+
+import torch
+
+from delspec.kernels.team import EXPLORE, WINDOW, Team
+
+SHAPE = (1, 0, 30)
+
+
+def run(team: Team, calls: int, seconds: dict[int, float], slept: int) -> list[int]:
+    """`calls` layer calls that take `seconds[threads]` and report `slept` sleeping waits."""
+    chosen = []
+    for _ in range(calls):
+        threads = team.threads(SHAPE)
+        chosen.append(threads)
+        team.report(SHAPE, threads, seconds[threads], 150 if threads > 1 else 0, slept)
+    return chosen
+
+
+def test_a_quiet_machine_always_runs_the_full_team(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    team = Team()
+    assert run(team, 100, {1: 0.001, 2: 0.002}, slept=0) == [2] * 100  # no trials at all
+    assert team.other_threads() == 2
+
+
+def test_contention_runs_the_faster_size_and_keeps_trying_the_other(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    team = Team()
+    chosen = run(team, 100, {1: 0.010, 2: 0.030}, slept=5)
+    assert chosen[: WINDOW // 2] == [2] * (WINDOW // 2)  # contention is seen first
+    late = chosen[50:]
+    assert late.count(1) > len(late) * (EXPLORE - 2) / EXPLORE and 2 in late
+    assert team.other_threads() in (1, 2)
+    # the cores free again: the team's trials stop sleeping, and it returns for good
+    after = run(team, 200, {1: 0.010, 2: 0.005}, slept=0)
+    assert after[-50:] == [2] * 50
+
+
+def test_contention_where_the_team_is_still_faster_keeps_it(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    team = Team()
+    late = run(team, 100, {1: 0.030, 2: 0.010}, slept=3)[50:]
+    assert late.count(2) >= len(late) * (EXPLORE - 2) / EXPLORE
