@@ -295,7 +295,8 @@ class CostCheck:
     timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
     window of plain steps has confirmed (or corrected) theirs. The window then starts
     afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
-    that the next run measures it again. The first correction prints one line to stderr.
+    that the next run measures it again. The first correction in a process prints one line to
+    stderr.
     """
 
     def __init__(
@@ -311,9 +312,9 @@ class CostCheck:
         self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}
         self.corrections: list[float] = []  # factors applied, in order
         self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
-        self.said = False
 
     _checks: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+    said: ClassVar[bool] = False  # the first correction in this process was reported
 
     @classmethod
     def of(cls, cost: MeasuredCost) -> CostCheck:
@@ -363,12 +364,12 @@ class CostCheck:
         if not drafted:
             self.ratios[True].clear()  # their predictions changed too
         self.corrections.append(factor)
-        if not self.said:
+        if not CostCheck.said:
             print(
                 f"delspec: cost profile disagreed with measured rounds (x{factor:.3g}); corrected",
                 file=sys.stderr,
             )
-            self.said = True
+            CostCheck.said = True
         if (factor > self.extreme or factor < 1 / self.extreme) and profile.path:
             mark_stale(profile.path)
             profile.settled = False
