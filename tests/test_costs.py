@@ -123,7 +123,7 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
     cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
     cost.overhead = 0.5  # policy time: not in the rounds' measured seconds
-    check = CostCheck(cost)
+    check = CostCheck(cost, window=16)
     # within [0.7, 1.4] of the prediction: noise, nothing changes
     for ratio in [0.8, 1.3] * 20:
         assert check.observe(11.0, 10.5 * ratio, drafted=False) is None
@@ -151,7 +151,7 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
     measured = cached_profile(head, 2, 4, tmp_path)
     cost = MeasuredCost(measured, head.model.num_layers)
     plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
-    for _ in range(16):
+    for _ in range(CostCheck.of(cost).window):  # one full window
         CostCheck.of(cost).observe(plain, plain / 100, drafted=False)
     assert CostCheck.of(cost).corrections == pytest.approx([0.01])
     (path,) = tmp_path.glob("profile-*.json")

@@ -302,7 +302,7 @@ class CostCheck:
     def __init__(
         self,
         cost: MeasuredCost,
-        window: int = 16,
+        window: int = 8,
         low: float = 0.7,
         high: float = 1.4,
         extreme: float = 3.0,

@@ -128,31 +128,31 @@ class FastDynamicExit(DynamicExit):
         return self._with_context(layer_plan, proposal.tokens, proposal.order)
 
     def _with_context(self, layer_plan: Plan, tokens: list[int], order: int) -> Plan:
-        """`layer_plan`, or a round that drafts a prefix of the context's `tokens` (found by a
-        suffix match of `order` tokens), alone or followed by `layer_plan`'s exit-layer drafts:
-        whichever promises the most tokens per second."""
+        """`layer_plan`, or a round that drafts the best prefix of the context's `tokens` (found
+        by a suffix match of `order` tokens), alone or followed by `layer_plan`'s exit-layer
+        drafts: whichever promises the most tokens per second."""
         cost = self.cost
         first, then = self.context_score.acceptance(order)
-        best, value, expected, chance = 0, 0.0, 1.0, first
+        best, value, expected, best_expected, chance = 0, 0.0, 1.0, 1.0, first
         for k in range(1, len(tokens) + 1):  # draft the first k context tokens
             expected += chance
             chance *= then
             tokens_per_s = expected / cost.plain_seconds(k + 1)
             if tokens_per_s > value:
-                best, value = k, tokens_per_s
+                best, value, best_expected = k, tokens_per_s, expected
         choice = Plan(0, 0, context=tuple(tokens[:best]))
-        if layer_plan.draft_cap and self.layer_tokens:  # the whole context draft, then layers
-            all_accepted = first * then ** (len(tokens) - 1)
+        if layer_plan.draft_cap and self.layer_tokens:  # that prefix, then exit-layer drafts
+            all_accepted = first * then ** (best - 1)
             extra = torch.tensor(self.layer_tokens, dtype=torch.float64) - 1.0
             row, level = torch.tensor([layer_plan.exit_layer]), torch.tensor([layer_plan.level])
-            seconds = cost.grid(row, self.draft_lengths, level, context=len(tokens))[0]
-            mixed = (expected + all_accepted * extra) / seconds
+            seconds = cost.grid(row, self.draft_lengths, level, context=best)[0]
+            mixed = (best_expected + all_accepted * extra) / seconds
             mixed[self.draft_lengths == 0] = 0.0
             column = int(mixed.argmax())
             if float(mixed[column]) > value:
                 value = float(mixed[column])
                 cap = min(int(self.draft_lengths[column]), layer_plan.draft_cap)
-                choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, tuple(tokens))
+                choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
         floor = max(self.plan_value, (1 + self.margin) * self.plain_value)
         return choice if value > floor else layer_plan
 
@@ -220,15 +220,16 @@ class FastDynamicExit(DynamicExit):
         """Update the final layer from the round's verification, at no cost: drafts from it
         are the full head restricted to each vocabulary, whose logits the verification has, at
         the positions whose inputs were all accepted."""
-        drafts = self.exit_head.final_layer_drafts(record.logits)
+        valid = record.accepted + 1
+        drafts = self.exit_head.final_layer_drafts(record.logits[:valid])
         if drafts is None:
             return
         tokens, confidence = drafts
-        targets = record.targets[record.context :].cpu()
+        targets = record.targets[record.context :][:valid].cpu()
         match = (tokens == targets[None]) & self.exit_head.covered(targets)
-        valid = torch.arange(len(targets)) <= record.accepted
         rows = self._level_rows(torch.tensor([self._final_row]))
-        self.stats.update(match[: self.levels], confidence[: self.levels], valid, rows)
+        everywhere = torch.ones(valid, dtype=torch.bool)
+        self.stats.update(match[: self.levels], confidence[: self.levels], everywhere, rows)
 
     def _must_score(self) -> list[int]:
         """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
