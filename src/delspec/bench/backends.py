@@ -28,7 +28,7 @@ from delspec.decode_config import strategy_options
 from delspec.decoding import Stats, decode_tokens
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError
-from delspec.gguf_conversion import converted_checkpoint
+from delspec.gguf_file import GGUFFile
 from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy
 from delspec.policies.fixed import Static
@@ -305,10 +305,16 @@ def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, in
 
 
 def load_transformers_model(lm: LoadedModel) -> Any:
-    """The transformers model of the checkpoint `lm` was loaded from, in its dtype and device."""
-    from transformers import AutoModelForCausalLM
+    """The transformers model of the checkpoint `lm` was loaded from, in its dtype and device
+    (a GGUF file dequantised by transformers, with the config delspec reads from it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = Path(lm.source)
-    checkpoint = source if source.is_dir() else converted_checkpoint(source)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=lm.model.dtype)
+    if source.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=lm.model.dtype)
+    else:
+        config = AutoConfig.from_pretrained(GGUFFile(source).directory)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, config=config, dtype=lm.model.dtype
+        )
     return model.to(lm.model.device).eval()
