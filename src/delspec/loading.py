@@ -123,19 +123,23 @@ def load_model(
     else:
         source = GGUFFile(path)
         directory, name = source.directory, path.stem
-    try:
-        loaded = _load(directory, source, name, path, torch_dtype, device, weights)
-    finally:
-        if isinstance(source, SafetensorsSource):
-            source.close()
+    loaded = _load(directory, source, name, path, torch_dtype, device, weights)
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 
 
 def peak_resident_bytes() -> int:
-    """The most memory this process has held resident so far."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+    """The most memory this process has held resident so far (on Linux since it started the
+    program: getrusage's figure there includes what the process that started it held)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return (
+            int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+            * 1024
+        )
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def check_device(device: str | torch.device) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import ExitStack
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -34,32 +34,33 @@ class TensorSource(Protocol):
 
 
 class SafetensorsSource:
-    """The safetensors file(s) of a Hugging Face checkpoint directory, open until `close`."""
+    """The safetensors file(s) of a Hugging Face checkpoint directory. Each `get` opens the
+    file anew: the pages of a map that stayed open would stay resident."""
 
     def __init__(self, directory: Path, files: list[Path]) -> None:
         if not files:
             raise ModelFormatError(f"{directory} has no *.safetensors weights")
-        self._files = ExitStack()
-        self.names: dict[str, tuple[Any, str, Path]] = {}  # name: (open file, key, path)
+        self.names: dict[str, tuple[Path, str]] = {}  # name: (file, key)
         self.size = sum(file.stat().st_size for file in files)
         for file in files:
-            try:
-                handle = self._files.enter_context(safe_open(file, framework="pt"))
-            except LIBRARY_ERRORS as exc:
-                self.close()
-                raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                self.names[strip_prefix(key)] = (handle, key, file)
+            with _opened(file) as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    self.names[strip_prefix(key)] = (file, key)
 
     def get(self, name: str) -> Tensor:
-        handle, key, file = self.names[name]
-        try:
+        file, key = self.names[name]
+        with _opened(file) as handle:
             return handle.get_tensor(key)
-        except LIBRARY_ERRORS as exc:
-            raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
 
-    def close(self) -> None:
-        self._files.close()
+
+@contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safe_open(file), its errors reported as ModelFormatError."""
+    try:
+        with safe_open(file, framework="pt") as handle:
+            yield handle
+    except LIBRARY_ERRORS as exc:
+        raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
 
 
 def progress(items: Iterable[_Item], total: int, label: str, size: int) -> Iterator[_Item]:
