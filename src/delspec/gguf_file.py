@@ -54,7 +54,7 @@ class TensorInfo:
     dims: tuple[int, ...]  # numpy order: the last is the values per row
     offset: int  # bytes from the start of the file
     nbytes: int
-    hf_name: str | None  # prefix-free Hugging Face name; None when transformers skips it
+    hf_name: str | None  # transformers' name of it (with prefix); None when it is not loaded
 
     @property
     def rows(self) -> int:
@@ -90,7 +90,8 @@ class GGUFFile:
     @cached_property
     def names(self) -> dict[str, str]:
         """The Hugging Face name (prefix-free) of each tensor transformers loads: GGUF name."""
-        return {t.hf_name: name for name, t in self.tensors.items() if t.hf_name is not None}
+        tensors = self.tensors.items()
+        return {strip_prefix(t.hf_name): name for name, t in tensors if t.hf_name is not None}
 
     def raw(self, name: str) -> np.ndarray:
         """Tensor `name`'s bytes as stored, uint8 `[rows, row bytes]` (read, not mapped: the
@@ -139,7 +140,7 @@ def _describe(path: Path, out: Path) -> None:
             "type": int(t.tensor_type),
             "dims": [int(d) for d in reversed(t.shape)],
             "at": [int(t.data_offset), int(t.n_bytes)],
-            "hf": strip_prefix(hf_names[t.name]) if t.name in hf_names else None,
+            "hf": hf_names.get(t.name),
         }
         for t in reader.tensors
     }
