@@ -14,12 +14,10 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from delspec import load_model
+from delspec.bench.backends import load_transformers_model
 from delspec.decoding import decode_tokens
-from delspec.gguf_conversion import converted_checkpoint
-from delspec.named_models import default_model_path
 from delspec.policies import make_policy
 
 PROMPTS = [
@@ -45,9 +43,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     lm = load_model("default", weights="float")  # the same float32 weights as transformers
-    hf = AutoModelForCausalLM.from_pretrained(
-        converted_checkpoint(default_model_path()), dtype=torch.float32
-    ).eval()
+    hf = load_transformers_model(lm)
     hf.generation_config.eos_token_id = None  # both run exactly N tokens, EOS or not
     n = args.new_tokens
 

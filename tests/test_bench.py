@@ -29,7 +29,7 @@ from delspec.bench.report import _heading
 from delspec.bench.tasks import TASKS
 from delspec.cli import main
 from delspec.errors import ConfigError
-from delspec.gguf_conversion import converted_checkpoint
+from delspec.gguf_file import GGUFFile
 from delspec.loading import load_model
 from delspec.named_models import default_model_path
 
@@ -59,7 +59,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the SmolLM2 tokenizer, saved by transformers. Layers 2.. barely
     change the residual stream, so early exits agree with the full model and drafts get accepted.
     """
-    tokenizer = AutoTokenizer.from_pretrained(converted_checkpoint(default_model_path()))
+    tokenizer = AutoTokenizer.from_pretrained(GGUFFile(default_model_path()).directory)
     model = tiny_hf_llama(
         vocab_size=len(tokenizer),
         intermediate_size=128,

@@ -86,6 +86,7 @@ def test_info(smollm2, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["layers"] == 30 and info["vocab_size"] == 49152
     assert info["parameters"] > 100_000_000
+    assert info["load_seconds"] > 0 and info["peak_resident_mb"] > info["weight_mb"]
 
 
 @pytest.mark.parametrize(

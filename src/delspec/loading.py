@@ -1,8 +1,9 @@
 """Loading a model and its tokenizer from a named model, a GGUF file or a Hugging Face directory.
 
-A GGUF file is converted once into a plain Hugging Face checkpoint directory in the user cache
-(`gguf_conversion`); later loads of the same file read that directory, and in the `native`
-weight format the file's own blocks. Named models are files inside pip packages
+A GGUF file is read in place (`gguf_file`): its config and tokenizer come from its metadata
+(cached once, they are small), its tensors from the file one at a time, in the `native` weight
+format as the file's own blocks. Hugging Face directories are read tensor by tensor too
+(`tensor_sources`). Named models are files inside pip packages
 (`named_models`). Every problem with a model source is reported as a `ModelFormatError` naming
 it.
 """
@@ -11,23 +12,25 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from delspec.architectures import config_from_hf, token_ids
-from delspec.checkpoint import build_model, strip_prefix
+from delspec.checkpoint import build_model
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
-from delspec.gguf_conversion import converted_checkpoint, converted_path
+from delspec.gguf_file import GGUFFile, block_count
 from delspec.kernel_choice import choose_kernels
 from delspec.model import Transformer
 from delspec.named_models import NAMED_MODELS, default_model_path, named_model_path
+from delspec.tensor_sources import SafetensorsSource, TensorSource, progress
 from delspec.weight_formats import (
-    TENSOR_INDEX,
     check_layout,
     hf_names,
     int8_blocks,
@@ -55,6 +58,7 @@ class LoadedModel:
     name: str  # short display name
     source: str  # the .gguf file or Hugging Face directory that was loaded
     eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
+    load_seconds: float | None = None  # how long `load_model` took
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The prompt text for `messages`, ending with the assistant's turn opening."""
@@ -86,6 +90,8 @@ class LoadedModel:
             "parameters": model.parameter_count,
             "weights": model.weights,
             "weight_mb": round(model.weight_bytes / 2**20, 1),
+            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 2),
+            "peak_resident_mb": round(peak_resident_bytes() / 2**20, 1),
         }
 
 
@@ -108,21 +114,43 @@ def load_model(
     if not path.is_dir() and path.suffix.lower() != ".gguf":
         raise ModelFormatError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
     weights = resolve_weights(weights, path, device)
+    started = time.perf_counter()
     if path.is_dir():
-        checkpoint, name = path, path.resolve().name
+        if not (path / "config.json").is_file():
+            raise ModelFormatError(f"{path} is not a model directory: it has no config.json")
+        source: TensorSource = SafetensorsSource(path, _safetensors_files(path))
+        directory, name = path, path.resolve().name
     else:
-        checkpoint, name = converted_checkpoint(path), path.stem
-    return _load_checkpoint(checkpoint, name, path, torch_dtype, device, weights)
+        source = GGUFFile(path)
+        directory, name = source.directory, path.stem
+    loaded = _load(directory, source, name, path, torch_dtype, device, weights)
+    loaded.load_seconds = time.perf_counter() - started
+    return loaded
+
+
+def peak_resident_bytes() -> int:
+    """The most memory this process has held resident so far (on Linux since it started the
+    program: getrusage's figure there includes what the process that started it held)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return (
+            int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+            * 1024
+        )
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def model_depth(source: str | os.PathLike | None) -> int | None:
     """The number of layers of the model `load_model(source)` would load, read from its
-    config.json alone; None when that needs more (a GGUF file not yet converted) or the source
-    is unreadable (`load_model` says why)."""
+    config.json or GGUF metadata alone; None when the source is unreadable (`load_model` says
+    why)."""
     try:
         path = _resolve_source(source)
-        directory = path if path.is_dir() else converted_path(path)
-        return config_from_hf(_read_json(directory / "config.json")).num_layers
+        if not path.is_dir():
+            return block_count(path)
+        return config_from_hf(_read_json(path / "config.json")).num_layers
     except (DelspecError, *LIBRARY_ERRORS):
         return None
 
@@ -169,57 +197,47 @@ def _resolve_source(source: str | os.PathLike | None) -> Path:
     return path
 
 
-def _load_checkpoint(
-    directory: Path, name: str, source: Path, dtype: torch.dtype, device: str, weights: str
+def _load(
+    directory: Path,
+    source: TensorSource,
+    name: str,
+    path: Path,
+    dtype: torch.dtype,
+    device: str,
+    weights: str,
 ) -> LoadedModel:
-    """Build the model in a Hugging Face checkpoint directory (converted from GGUF file
-    `source`, or `source` itself) in weight format `weights`."""
-    if not (directory / "config.json").is_file():
-        raise ModelFormatError(f"{directory} is not a model directory: it has no config.json")
+    """Build the model whose config and tokenizer are in `directory` and whose tensors come from
+    `source` (GGUF file or Hugging Face directory `path`), in weight format `weights`."""
     config = config_from_hf(_read_json(directory / "config.json"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
     if weights == "native":
-        blocks = native_blocks(source, directory / TENSOR_INDEX, config)
-        checked = {f"layers.0.{p}.weight" for p in ("self_attn.q_proj", "self_attn.k_proj")}
-        state = _read_weights(directory, skip=hf_names(set(blocks)) - checked)
-        check_layout(blocks, state)
+        assert isinstance(source, GGUFFile)  # resolve_weights allows native for GGUF files only
+        blocks = native_blocks(source, config)
+        check_layout(blocks, source)
     else:
-        state = _read_weights(directory)
-        blocks = int8_blocks(state, config) if weights == "int8" else {}
-    for unused in hf_names(set(blocks)):
-        state.pop(unused, None)
+        blocks = int8_blocks(source, config) if weights == "int8" else {}
+    wanted = sorted(set(source.names) - hf_names(set(blocks)))
+    # in float weights this is the whole load; next to blocks, only norms and biases are left
+    reading = progress(wanted, len(wanted), "reading", 0 if blocks else source.size)
+    state = {tensor: source.get(tensor) for tensor in reading}
     model = build_model(config, state, dtype=dtype, device=device, blocks=blocks, weights=weights)
     choose_kernels(model)
     generation = directory / "generation_config.json"
     generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
     eos = [*config.eos_token_ids, *token_ids(generation_eos), *token_ids(tokenizer.eos_token_id)]
-    return LoadedModel(model, tokenizer, name, str(source), tuple(dict.fromkeys(eos)))
+    return LoadedModel(model, tokenizer, name, str(path), tuple(dict.fromkeys(eos)))
 
 
-def _read_weights(directory: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """The tensors of the checkpoint's safetensors file(s), by Hugging Face name without its
-    model prefix (`strip_prefix`), except those named in `skip` (never read)."""
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else all there are."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
-        files = [directory / f for f in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelFormatError(f"{directory} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as tensors:
-                for key in tensors.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    if strip_prefix(key) not in skip:
-                        state[strip_prefix(key)] = tensors.get_tensor(key)
-        except LIBRARY_ERRORS as exc:
-            raise ModelFormatError(f"cannot read weights file {file}: {exc}") from exc
-    return state
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    return sorted(directory.glob("*.safetensors"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

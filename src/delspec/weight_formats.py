@@ -1,31 +1,30 @@
 """The weights a model is held in: `native` (a GGUF file's own blocks), `int8` (float weights
 quantised to 8 bits per block of 32, GGUF's Q8_0) or `float`.
 
-`native_blocks` reads a GGUF file's linear weights and embedding as stored, through the tensor
-index written when the file was converted (so the file is not parsed again); `int8_blocks`
-quantises a float checkpoint's. Both give the `BlockWeight`s that `build_model` holds in place
-of float parameters. A layer whose tensors have no block kernel stays in float (said once).
+`native_blocks` repacks a GGUF file's linear weights and embedding as stored, one tensor at a
+time; `int8_blocks` quantises a float checkpoint's, one layer at a time. Both give the
+`BlockWeight`s that `build_model` holds in place of float parameters. A layer whose tensors
+have no block kernel stays in float (said once).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from torch import Tensor
 
 from delspec.architectures import ModelConfig
 from delspec.checkpoint import FUSED_LINEARS
 from delspec.errors import ConfigError, ModelFormatError
+from delspec.gguf_file import GGUFFile
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
 from delspec.kernels.build import library
 from delspec.model import WEIGHT_FORMATS
+from delspec.tensor_sources import TensorSource, progress
 
-TENSOR_INDEX = "gguf-tensors.json"  # in a converted checkpoint: where each tensor lies in the file
 _Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # A block's GGUF tensors, in row order, for each fused linear layer (see FUSED_LINEARS).
 _GGUF_PARTS = {
@@ -61,58 +60,35 @@ def resolve_weights(weights: str | None, source: Path, device: str) -> str:
     return weights
 
 
-def write_tensor_index(reader: gguf.GGUFReader, architecture: str, path: Path) -> None:
-    """Record where each of the file's tensors lies (type, rows, columns, offset, bytes)."""
-    tensors = {
-        t.name: {
-            "type": int(t.tensor_type),
-            "cols": int(t.shape[0]),
-            "rows": int(np.prod(t.shape[1:], dtype=np.int64)),
-            "offset": int(t.data_offset),
-            "bytes": int(t.n_bytes),
-        }
-        for t in reader.tensors
-    }
-    path.write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
-
-
-def native_blocks(gguf_path: Path, index_path: Path, config: ModelConfig) -> dict[str, BlockWeight]:
-    """Block weights of the model's linear layers and embedding, as the GGUF file stores them
-    (Llama's query and key rows reordered to the rotate-half layout the model computes in)."""
-    try:
-        index = json.loads(index_path.read_text())
-        tensors, architecture = index["tensors"], index["architecture"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelFormatError(f"cannot read the tensor index {index_path}: {exc}") from exc
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]:
+    """Block weights of the model's linear layers and embedding, repacked tensor by tensor from
+    the GGUF file's own blocks (Llama's query and key rows reordered to the rotate-half layout
+    the model computes in)."""
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    permute = architecture == "llama"  # llama.cpp interleaves Llama's RoPE halves
+    permute = file.architecture == "llama"  # llama.cpp interleaves Llama's RoPE halves
     wanted: dict[str, list[str]] = {"embedding": ["token_embd.weight"]}
-    if "output.weight" in tensors:
+    if "output.weight" in file.tensors:
         wanted["lm_head"] = ["output.weight"]
     for i in range(config.num_layers):
         for module, parts in _GGUF_PARTS.items():
             wanted[f"layers.{i}.{module}"] = [f"blk.{i}.{part}.weight" for part in parts]
     blocks: dict[str, BlockWeight] = {}
     floats: set[str] = set()
-    for module, names in wanted.items():
-        missing = [name for name in names if name not in tensors]
+    for module, names in progress(wanted.items(), len(wanted), "repacking", file.size):
+        missing = [name for name in names if name not in file.tensors]
         if missing:
-            raise ModelFormatError(f"{gguf_path} has no tensor {missing[0]!r}")
-        kinds = [gguf.GGMLQuantizationType(tensors[name]["type"]) for name in names]
+            raise ModelFormatError(f"{file.path} has no tensor {missing[0]!r}")
+        kinds = [file.tensors[name].qtype for name in names]
         if not all(kind in KERNEL_TYPES for kind in kinds):
             floats.update(kind.name for kind in kinds if kind not in KERNEL_TYPES)
             continue
         parts = []
-        for name in names:
-            info = tensors[name]
-            raw = np.asarray(data[info["offset"] : info["offset"] + info["bytes"]])
-            raw = raw.reshape(info["rows"], -1)
+        for name, kind in zip(names, kinds, strict=True):
+            raw, info = file.raw(name), file.tensors[name]
             part = name.split(".")[-2]
             if permute and part in heads:
-                raw = raw[_rope_order(info["rows"], heads[part])]
-            kind = gguf.GGMLQuantizationType(info["type"])
-            parts.append(BlockWeight.from_blocks(kind, torch.from_numpy(raw.copy()), info["cols"]))
+                raw = raw[_rope_order(info.rows, heads[part])]
+            parts.append(BlockWeight.from_blocks(kind, torch.from_numpy(raw), info.dims[-1]))
         blocks[module] = BlockWeight.stack(parts)
     if floats:
         print(
@@ -143,34 +119,37 @@ def hf_names(modules: set[str]) -> set[str]:
     return names
 
 
-def check_layout(blocks: dict[str, BlockWeight], state: dict[str, Tensor]) -> None:
-    """Check that the first layer's query and key block rows hold the converted checkpoint's
-    values in its row order, or raise ModelFormatError."""
+def check_layout(blocks: dict[str, BlockWeight], source: TensorSource) -> None:
+    """Check that the first layer's query and key block rows hold the values transformers
+    reads from the file, in its row order, or raise ModelFormatError."""
     if "layers.0.attn.qkv" not in blocks:
         return
-    reference = torch.cat([state[f"layers.0.self_attn.{x}_proj.weight"] for x in "qk"]).float()
+    reference = torch.cat([source.get(f"layers.0.self_attn.{x}_proj.weight") for x in "qk"])
     values = blocks["layers.0.attn.qkv"].dequantize()[: len(reference)]
-    if not torch.allclose(values, reference, rtol=1e-3, atol=1e-4):
+    if not torch.allclose(values, reference.float(), rtol=1e-3, atol=1e-4):
         raise ModelFormatError(
             "the GGUF file's block layout does not match its converted weights; "
             "load it with weights 'float'"
         )
 
 
-def int8_blocks(model_state: dict[str, Tensor], config: ModelConfig) -> dict[str, BlockWeight]:
+def int8_blocks(source: TensorSource, config: ModelConfig) -> dict[str, BlockWeight]:
     """Every linear layer and the embedding (and an untied LM head) of a float checkpoint,
-    quantised to Q8_0 blocks (8 bits per value, one scale per 32)."""
+    quantised to Q8_0 blocks (8 bits per value, one scale per 32), one layer at a time."""
 
-    def q8(weights: list[Tensor]) -> BlockWeight:
-        w = torch.cat(weights).float().numpy()
+    def q8(names: list[str]) -> BlockWeight:
+        w = torch.cat([source.get(name) for name in names]).float().numpy()
         return BlockWeight.from_blocks(_Q8_0, torch.from_numpy(gguf.quantize(w, _Q8_0)), w.shape[1])
 
-    blocks = {"embedding": q8([model_state["embed_tokens.weight"]])}
+    wanted = {"embedding": ["embed_tokens.weight"]}
     if not config.tie_embeddings:
-        blocks["lm_head"] = q8([model_state["lm_head.weight"]])
+        wanted["lm_head"] = ["lm_head.weight"]
     for i in range(config.num_layers):
         for module, parts in FUSED_LINEARS.items():
-            blocks[f"layers.{i}.{module}"] = q8(
-                [model_state[f"layers.{i}.{part}.weight"] for part in parts]
-            )
-    return blocks
+            wanted[f"layers.{i}.{module}"] = [f"layers.{i}.{part}.weight" for part in parts]
+    for names in wanted.values():
+        missing = [name for name in names if name not in source.names]
+        if missing:
+            raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
+    items = progress(wanted.items(), len(wanted), "quantising", source.size)
+    return {module: q8(names) for module, names in items}

@@ -27,8 +27,8 @@ from delspec.bench.methods import method_config
 from delspec.decode_config import strategy_options
 from delspec.decoding import Stats, decode_tokens
 from delspec.draft_head import draft_head
-from delspec.errors import ConfigError
-from delspec.gguf_conversion import converted_checkpoint
+from delspec.errors import ConfigError, ModelFormatError
+from delspec.gguf_file import GGUFFile
 from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy
 from delspec.policies.fixed import Static
@@ -385,10 +385,20 @@ def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, in
 
 
 def load_transformers_model(lm: LoadedModel) -> Any:
-    """The transformers model of the checkpoint `lm` was loaded from, in its dtype and device."""
-    from transformers import AutoModelForCausalLM
+    """The transformers model of the checkpoint `lm` was loaded from, in its dtype and device
+    (a GGUF file's tensors as transformers' GGUF loader dequantises them, with the config delspec
+    reads from the file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = Path(lm.source)
-    checkpoint = source if source.is_dir() else converted_checkpoint(source)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=lm.model.dtype)
+    if source.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=lm.model.dtype)
+    else:
+        file = GGUFFile(source)
+        config = AutoConfig.from_pretrained(file.directory)
+        model = AutoModelForCausalLM.from_config(config, dtype=lm.model.dtype)
+        state = {file.tensors[name].hf_name: file.get(short) for short, name in file.names.items()}
+        missing = model.load_state_dict(state, strict=False).missing_keys
+        if set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+            raise ModelFormatError(f"{source} has no tensor for {missing[0]!r}")
     return model.to(lm.model.device).eval()

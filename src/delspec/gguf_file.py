@@ -1,31 +1,41 @@
-"""Converting a GGUF file, once, into a Hugging Face checkpoint directory in the cache.
+"""A GGUF file read in place: config and tokenizer from its metadata, tensors from the file.
 
-The conversion goes through transformers' GGUF support; the directory also holds an index of
-where the file's tensors lie (for the `native` weight format), and RoPE scaling that
-transformers' GGUF reader drops is carried over.
+On first use the file is parsed once (the `gguf` package's reader, transformers' GGUF support)
+into a small cache entry: `config.json` (with the RoPE scaling that transformers' GGUF reader
+drops), the tokenizer files, and an index of the tensors (type, shape, where they lie, the
+Hugging Face name transformers gives them). Later loads read that entry and, tensor by tensor,
+the bytes they need from the file. Nothing in the cache is a copy of the weights.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sys
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+)
 
 from delspec.architectures import config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
+from delspec.checkpoint import strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
 from delspec.modules import rope_inv_freq
-from delspec.weight_formats import TENSOR_INDEX, write_tensor_index
 
+INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
 SUPPORTED_GGML_TYPES = frozenset(
@@ -36,51 +46,105 @@ SUPPORTED_GGML_TYPES = frozenset(
 )
 
 
-def converted_path(path: Path) -> Path:
-    """Where the Hugging Face directory of GGUF file `path` is cached (once converted): a cache
-    entry keyed by the file's size, mtime and first MiB."""
-    return cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}"
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in the file and what transformers calls it."""
+
+    qtype: gguf.GGMLQuantizationType
+    dims: tuple[int, ...]  # numpy order: the last is the values per row
+    offset: int  # bytes from the start of the file
+    nbytes: int
+    hf_name: str | None  # transformers' name of it (with prefix); None when it is not loaded
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.dims[:-1])
 
 
-def converted_checkpoint(path: Path) -> Path:
-    """The cached Hugging Face directory of GGUF file `path` (`converted_path`), converting it
-    on first use. The cache entry appears atomically."""
-    target = converted_path(path)
+class GGUFFile:
+    """A GGUF file and its cache entry (`directory`: config.json, tokenizer files, index).
 
-    def convert(out: Path) -> None:
-        reader, architecture = _check_gguf(path)
-        print(
-            f"delspec: converting {path.name} (first load only, cached in {target})",
-            file=sys.stderr,
-            flush=True,
-        )
-        _convert_gguf(path, reader, architecture, out)
-        write_tensor_index(reader, architecture, out / TENSOR_INDEX)
+    `raw` (by GGUF name) and `get` (by Hugging Face name, in float) read one tensor from the
+    file; nothing is kept in memory. A `tensor_sources.TensorSource`.
+    """
 
-    return build_once(target, path, convert)
+    def __init__(self, path: Path) -> None:
+        """Open `path`, parsing it into its cache entry on first use (keyed by the file's size,
+        mtime and first MiB; the entry appears atomically)."""
+        self.path = path
+        # named apart from the converted checkpoints of earlier versions, which it replaces
+        target = cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}-metadata"
+        self.directory = build_once(target, path, lambda out: _describe(path, out))
+        try:
+            index = json.loads((self.directory / INDEX).read_text())
+            self.architecture: str = index["architecture"]
+            self.tensors = {
+                name: TensorInfo(_T(t["type"]), tuple(t["dims"]), *t["at"], t["hf"])
+                for name, t in index["tensors"].items()
+            }
+            self._config = json.loads((self.directory / "config.json").read_text())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelFormatError(f"cannot read the cache entry {self.directory}: {exc}") from exc
+        self.size = path.stat().st_size
+
+    @cached_property
+    def names(self) -> dict[str, str]:
+        """The Hugging Face name (prefix-free) of each tensor transformers loads: GGUF name."""
+        tensors = self.tensors.items()
+        return {strip_prefix(t.hf_name): name for name, t in tensors if t.hf_name is not None}
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s bytes as stored, uint8 `[rows, row bytes]` (read, not mapped: the
+        pages of a map would stay resident with the blocks made from them)."""
+        info = self.tensors[name]
+        try:
+            data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"cannot read tensor {name} of {self.path}: {exc}") from exc
+        if data.size != info.nbytes:
+            raise ModelFormatError(f"{self.path} is truncated: tensor {name} is cut short")
+        return data.reshape(info.rows, -1)
+
+    def get(self, hf_name: str) -> Tensor:
+        """The float32 values of the tensor transformers names `hf_name` (prefix-free), exactly
+        as transformers' GGUF loader gives them (its per-architecture reordering applied)."""
+        name = self.names[hf_name]
+        info = self.tensors[name]
+        values = gguf.dequantize(self.raw(name), info.qtype).reshape(info.dims)
+        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self._config)
+        return torch.from_numpy(np.copy(processor.process(weights=values, name=name).weights))
 
 
-def _convert_gguf(path: Path, reader: gguf.GGUFReader, architecture: str, out: Path) -> None:
-    """Write checked GGUF file `path` (open in `reader`) as a Hugging Face checkpoint directory
-    `out`."""
+def _describe(path: Path, out: Path) -> None:
+    """Write the cache entry of GGUF file `path` into directory `out`."""
+    reader, architecture = _check_gguf(path)
+    print(f"delspec: reading {path.name}'s metadata (first load only)", file=sys.stderr, flush=True)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except LIBRARY_ERRORS as exc:  # the file is whole, so transformers cannot map it
         raise ModelFormatError(
             f"unsupported architecture {architecture!r} in {path} ({exc})"
         ) from exc
-    # reject unsupported families before the slow part
-    head_dim = config_from_hf(config.to_dict()).head_dim
+    head_dim = config_from_hf(config.to_dict()).head_dim  # refuses unsupported families
     _carry_rope_scaling(path, reader, architecture, head_dim, config)
     try:
         with torch.device("meta"):  # only its parameter names are used, to name the tensors
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+        hf_names = get_gguf_hf_weights_map(skeleton, processor)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except LIBRARY_ERRORS as exc:
-        raise ModelFormatError(f"cannot convert {path}: {exc}") from exc
-    state = {name: t.contiguous() for name, t in tensors["tensors"].items()}
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
+    tensors = {
+        t.name: {
+            "type": int(t.tensor_type),
+            "dims": [int(d) for d in reversed(t.shape)],
+            "at": [int(t.data_offset), int(t.n_bytes)],
+            "hf": hf_names.get(t.name),
+        }
+        for t in reader.tensors
+    }
+    (out / INDEX).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -146,6 +210,12 @@ def _llama3_scaling(factors: Tensor, head_dim: int, theta: float) -> dict[str, A
             if torch.allclose(rope_inv_freq(head_dim, theta, scaling), inv_freq / factors, 1e-4):
                 return scaling
     return None
+
+
+def block_count(path: Path) -> int:
+    """The number of layers GGUF file `path` declares (its header alone)."""
+    reader, architecture = _check_gguf(path)
+    return int(reader.fields[f"{architecture}.block_count"].contents())
 
 
 def _check_gguf(path: Path) -> tuple[gguf.GGUFReader, str]:

@@ -1,0 +1,218 @@
+"""Loading and running a large GGUF file: delspec against llama.cpp, on a synthetic model.
+
+The model is random but valid: a Llama-3-8B-shaped GGUF (32 layers, hidden 4096, FFN 14336,
+32 query and 8 KV heads, vocabulary 128256) with Q4_K linear weights and embedding, a Q6_K head,
+float32 norms and a byte-level tokenizer; block scales are sane float16 values, the rest of each
+block random bits. It is written once (~4.9 GB) into the delspec cache and kept. Each engine
+runs in its own process (llama.cpp through llama-cpp-python, when importable) and reports load
+seconds, peak resident memory, and prefill and decode tokens per second on one random prompt.
+
+    python benchmarks/large_model.py                 # the 8B shape (needs ~5 GB disk, ~6 GB RAM)
+    python benchmarks/large_model.py --shape small   # a ~30 MB model, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from delspec.cache import cache_dir
+
+SHAPES = {  # layers, hidden, ffn, heads, kv heads, vocab
+    "llama3-8b": (32, 4096, 14336, 32, 8, 128256),
+    "small": (2, 512, 1536, 8, 2, 4096),
+}
+_Q4_K, _Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+
+
+def write_model(path: Path, shape: str) -> None:
+    """Write the synthetic GGUF of `shape` to `path` (via a scratch file), tensor by tensor."""
+    layers, hidden, ffn, heads, kv_heads, vocab = SHAPES[shape]
+    kv = hidden // heads * kv_heads
+    tensors: list[tuple[str, tuple[int, int] | tuple[int], gguf.GGMLQuantizationType | None]]
+    tensors = [("token_embd.weight", (vocab, hidden), _Q4_K)]
+    for i in range(layers):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (hidden,), None),
+            (f"blk.{i}.attn_q.weight", (hidden, hidden), _Q4_K),
+            (f"blk.{i}.attn_k.weight", (kv, hidden), _Q4_K),
+            (f"blk.{i}.attn_v.weight", (kv, hidden), _Q4_K),
+            (f"blk.{i}.attn_output.weight", (hidden, hidden), _Q4_K),
+            (f"blk.{i}.ffn_norm.weight", (hidden,), None),
+            (f"blk.{i}.ffn_gate.weight", (ffn, hidden), _Q4_K),
+            (f"blk.{i}.ffn_up.weight", (ffn, hidden), _Q4_K),
+            (f"blk.{i}.ffn_down.weight", (hidden, ffn), _Q4_K),
+        ]
+    tensors += [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), _Q6_K)]
+
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(scratch), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    alphabet = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 161 + 162)]
+    tokens = alphabet + [f"t{i}" for i in range(vocab - len(alphabet) - 1)] + ["<|eot|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 1) + [3])
+    writer.add_token_merges([f"t {d}" for d in range(10)])  # "t" + "0" -> "t0", ...
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_eos_token_id(vocab - 1)
+    for name, dims, qtype in tensors:
+        if qtype is None:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            byte_shape = gguf.quant_shape_to_byte_shape(dims, qtype)
+            nbytes = byte_shape[0] * byte_shape[1]
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for _name, dims, qtype in tensors:
+        writer.write_tensor_data(_random_tensor(rng, dims, qtype))
+    writer.close()
+    scratch.replace(path)
+
+
+def _random_tensor(
+    rng: np.random.Generator, dims: tuple[int, ...], qtype: gguf.GGMLQuantizationType | None
+) -> np.ndarray:
+    """Norm scales of 1, or `qtype` blocks of random bits with float16 scales about 1e-3 (Q4_K:
+    d and dmin at bytes 0..3 of each 144; Q6_K: d at bytes 208..209 of each 210)."""
+    if qtype is None:
+        return np.ones(dims, np.float32)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (dims[0], dims[1] // values, size), dtype=np.uint8)
+    scale_at = (0, 2) if qtype == _Q4_K else (208,)
+    for at in scale_at:
+        scales = rng.uniform(5e-4, 2e-3, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, at : at + 2] = scales[..., None].view(np.uint8).reshape(*scales.shape, 2)
+    return blocks.reshape(dims[0], -1)
+
+
+def run_delspec(path: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    import torch
+
+    from delspec.decoding import decode_tokens
+    from delspec.loading import load_model
+    from delspec.policies import make_policy
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model = load_model(path).model
+    loaded = time.perf_counter() - start
+    policy = make_policy("ar", model.num_layers)
+    stats = decode_tokens(model, prompt, policy, max_new_tokens=new_tokens).stats
+    return {
+        "load_s": loaded,
+        "prefill_tok_s": len(prompt) / (stats.prefill_ms / 1e3),
+        "decode_tok_s": 1e3 / stats.decode_ms_per_token,
+    }
+
+
+def run_llama_cpp(path: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(path, n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, verbose=False)
+    loaded = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - loaded
+    start_decode = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    decode = time.perf_counter() - start_decode
+    return {
+        "load_s": loaded - start,
+        "prefill_tok_s": len(prompt) / prefill,
+        "decode_tok_s": (new_tokens - 1) / decode,
+    }
+
+
+ENGINES = {"delspec": run_delspec, "llama.cpp": run_llama_cpp}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--model", type=Path, help="where the GGUF file is (or is written)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # a child
+    args = parser.parse_args()
+    path = args.model or cache_dir() / "benchmarks" / f"synthetic-{args.shape}.gguf"
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(0, SHAPES[args.shape][5] - 1, args.prompt_tokens)]
+
+    if args.engine:  # one engine, in this process: print its numbers as JSON
+        result = ENGINES[args.engine](str(path), prompt, args.new_tokens, args.threads)
+        result["peak_rss_mb"] = _peak_resident_mb()
+        print(json.dumps(result))
+        return
+
+    if not path.is_file():
+        print(f"writing {path} (once)...", file=sys.stderr, flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_model(path, args.shape)
+    print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB, {args.threads} threads")
+    print(f"{'engine':<10} {'load s':>7} {'peak MB':>8} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for engine in ENGINES:
+        if engine == "llama.cpp" and not _importable("llama_cpp"):
+            print(f"{engine:<10} skipped: llama-cpp-python is not installed")
+            continue
+        command = [sys.executable, __file__, "--engine", engine, "--model", str(path)]
+        command += ["--shape", args.shape, "--threads", str(args.threads)]
+        command += [
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--new-tokens",
+            str(args.new_tokens),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{engine:<10} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(
+            f"{engine:<10} {r['load_s']:>7.1f} {r['peak_rss_mb']:>8.0f} "
+            f"{r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f}"
+        )
+
+
+def _peak_resident_mb() -> float:
+    """This process's peak resident memory: VmHWM on Linux (getrusage's figure there includes
+    the peak of the process that started this one), else getrusage's."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(x.split()[1]) for x in status if x.startswith("VmHWM:")) / 2**10
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    main()
