@@ -29,7 +29,9 @@ OPTIONS = {
     "dv": dict(exit_layer=2),
     # Measured costs of a tiny model are all timing noise and may never let a draft pay; the
     # paper's layer cost makes del-fast draft here deterministically (all else as shipped).
-    "del-fast": dict(cost="layers", warmup=4),
+    # (context drafts are chosen by measured cost only: off here)
+    "del-fast": dict(cost="layers", warmup=4, context_drafts=False),
+    "lookup": dict(ngram_min=1),
 }
 DRAFTING = sorted(set(STRATEGIES) - {"ar"})
 VOCAB = 64
