@@ -30,6 +30,20 @@ def prompts_file(tmp_path: Path) -> Path:
     return path
 
 
+def spy_on_llamas(monkeypatch) -> list[dict]:
+    """The keyword arguments of every `llama_cpp.Llama` made from now on (skips without it)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason=NO_LLAMA)
+    made: list[dict] = []
+    real = llama_cpp.Llama
+
+    def spy(**kwargs):
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(llama_cpp, "Llama", spy)
+    return made
+
+
 @pytest.mark.slow
 def test_llama_cpp_greedy_tokens_equal_ar(smollm2: LoadedModel, monkeypatch):
     """Same GGUF file, same prompt ids: llama.cpp's greedy tokens are delspec `ar`'s.
@@ -40,15 +54,7 @@ def test_llama_cpp_greedy_tokens_equal_ar(smollm2: LoadedModel, monkeypatch):
     and then float32 prefers " answer" by 0.22 while llama.cpp prefers " United" by 0.02. This
     prompt's tokens are decided by 3 or more, so all 8 must agree.
     """
-    llama_cpp = pytest.importorskip("llama_cpp", reason=NO_LLAMA)
-    made: dict = {}
-    real = llama_cpp.Llama
-
-    def spy(**kwargs):
-        made.update(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(llama_cpp, "Llama", spy)
+    made = spy_on_llamas(monkeypatch)
     ids = smollm2.tokenizer.encode(PROMPT)
     assert smollm2.source == str(default_model_path())
     ar = DelspecBackend(smollm2).generator("ar", {})(ids, 8)
@@ -58,6 +64,7 @@ def test_llama_cpp_greedy_tokens_equal_ar(smollm2: LoadedModel, monkeypatch):
     output = generate(ids, 8)
     assert output.token_ids == ar.token_ids and len(output.token_ids) == 8
     assert output.prefill_s > 0 and output.decode_s > 0
+    (made,) = made
     assert made["model_path"] == smollm2.source and made["verbose"] is False
     assert made["n_threads"] == made["n_threads_batch"] == torch.get_num_threads()
     assert made["n_ctx"] == 256  # len(ids) + 8, rounded up as llama.cpp does
@@ -82,17 +89,9 @@ def test_llama_cpp_lookup_equals_llama_cpp_greedy(smollm2: LoadedModel, monkeypa
     """llama-cpp-python's prompt lookup keeps llama.cpp's greedy tokens, on a prompt whose
     continuation repeats it (drafts accepted) and on one past n_batch (512) tokens, where its
     logits buffer must hold every position (``logits_all``)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason=NO_LLAMA)
+    made = spy_on_llamas(monkeypatch)
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    made: list[dict] = []
-    real = llama_cpp.Llama
-
-    def spy(**kwargs):
-        made.append(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(llama_cpp, "Llama", spy)
     short = smollm2.tokenizer.encode(PROMPT)
     long = smollm2.tokenizer.encode(" ".join(map(str, range(1, 200))))  # "1 2 3 ... 199"
     assert len(long) > 512

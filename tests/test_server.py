@@ -72,6 +72,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     return error
 
 
+PLAIN = {"delspec": {"strategy": "ar"}}
+
+
 def tiny_lm(smollm2: LoadedModel, delay_s: float = 0.0) -> LoadedModel:
     """A fast 4-layer random model with SmolLM2's tokenizer (float64: exact greedy ties).
 
@@ -180,7 +183,8 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
 ) -> None:
     short = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
     expected = generate(reference, "Hello", strategy="ar", max_new_tokens=4).text
-    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}
+    # one token a round, so that it runs long (context drafts would take it in a few rounds)
+    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0, **PLAIN}
     app = create_app(tiny_lm(smollm2, delay_s=0.01), max_queue=1)
     with running(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         with ThreadPoolExecutor(1) as pool:
@@ -209,7 +213,8 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
 
 def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -> None:
     app = create_app(tiny_lm(smollm2, delay_s=0.01), request_timeout=2.0, queue_timeout=0.5)
-    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}
+    # one token a round, so that it runs long (context drafts would take it in a few rounds)
+    long = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0, **PLAIN}
     with running(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(http.post, TEXT, json=long)

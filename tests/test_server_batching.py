@@ -58,7 +58,13 @@ def test_concurrent_requests_are_batched_and_each_gets_its_solo_answer(
     app = create_app(tiny_lm(smollm2, delay_s=0.005), max_batch=4)
 
     def vanish(url: str) -> None:  # a client that reads a little of a long stream, then leaves
-        long = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+        long = {
+            "prompt": "Once upon a time",
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "delspec": {"strategy": "ar"},  # one token a round: it runs long
+        }
         with httpx.stream("POST", url + TEXT, json=long, timeout=TIMEOUT) as stream:
             assert stream.status_code == 200
             next(stream.iter_lines())
