@@ -268,3 +268,37 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     corrected = policy.cost.profile  # the numbers came down
     assert corrected.layer[0] < busy["layer"][0] / 3 and corrected.head[0] < busy["head"][0] / 3
     assert json.loads(path.read_text())["settled"] is False  # measured again next start
+
+
+def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
+    """The cost model promises a draft from layer 8; the rounds that ran say otherwise."""
+    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
+    assert policy.plan().draft_cap > 0
+
+    def ran(drafted, tokens, seconds):
+        record = Round(
+            0,
+            8 if drafted else 0,
+            [1] * drafted,
+            [0.9] * drafted,
+            0,
+            [1] * tokens,
+            torch.zeros(1, dtype=torch.long),
+        )
+        record.verify_s = seconds
+        policy.realized.add(record)
+
+    for _ in range(4):
+        ran(0, 1, 0.01)  # plain steps: 100 tokens/s
+        ran(4, 3, 0.05)  # drafting rounds: 60 tokens/s
+    policy._choose()
+    assert policy.plan().draft_cap == 0 and policy.exit_layer == 8
+    retried = 0
+    for _ in range(2 * 16):
+        policy._choose()
+        retried += policy.plan().draft_cap > 0
+    assert retried == 2  # one round in 16 drafts again, to look again
+    for _ in range(20):
+        ran(4, 5, 0.03)  # drafting rounds now deliver 167 tokens/s
+    policy._choose()
+    assert policy.plan().draft_cap > 0

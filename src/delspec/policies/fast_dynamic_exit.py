@@ -22,6 +22,8 @@ from delspec.policies.dynamic_exit import DynamicExit
 
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
+REALIZED_ROUNDS = 3.0  # (decayed) rounds of a kind before its realized speed counts
+RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -81,6 +83,12 @@ class FastDynamicExit(DynamicExit):
       The round takes whichever of the layer plan, the context draft (its best length) and the
       extended draft promises the most tokens per measured second (a context draft, like a
       layer draft, must beat a plain step by the margin).
+    - With `cost="measured"`, what exit-layer drafts really deliver is watched too: decayed
+      tokens per second of the rounds that drafted from a layer against those of plain steps.
+      Where a model's drafts gain only a few percent on paper (a small LM head, drafts from the
+      final layer), errors of the cost model decide; when drafting rounds turn out slower than
+      plain steps, rounds go without layer drafts (context drafts still may), retrying one in
+      `RETRY_EVERY`.
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -112,6 +120,7 @@ class FastDynamicExit(DynamicExit):
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.context_score = _ContextScore(self.omega, self.prior)
+        self.realized = _Realized()
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
@@ -160,6 +169,7 @@ class FastDynamicExit(DynamicExit):
         start = time.perf_counter()
         in_warmup = self.in_warmup
         self.context_score.committed(record)
+        self.realized.add(record)
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -302,6 +312,8 @@ class FastDynamicExit(DynamicExit):
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
             row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
+        elif plain is not None and column != plain and self.realized.drafts_lose():
+            column = plain  # drafts from layers really ran slower than plain steps
         self.plan_value = float(value[row, column])
         self.plain_value = float(value[0, plain]) if plain is not None else 0.0
         if self.context_ngrams is not None:
@@ -312,6 +324,46 @@ class FastDynamicExit(DynamicExit):
             )
             self.layer_tokens = tokens[0].tolist()
         self._take(row, column)
+
+
+class _Realized:
+    """Decayed tokens and seconds of the rounds that ran, by kind: plain steps, and rounds that
+    drafted from an exit layer (context drafts before them or not)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.sums = {"plain": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}  # tokens, s, rounds
+        self.refused = 0  # layer plans refused since the last retry
+
+    def add(self, record: Round) -> None:
+        """Count a finished round of either kind."""
+        if len(record.drafted) > record.from_context:
+            kind = "layer"
+        elif not record.drafted:
+            kind = "plain"
+        else:
+            return
+        sums = self.sums[kind]
+        seconds = record.draft_s + record.verify_s
+        for i, add in enumerate((len(record.tokens), seconds, 1.0)):
+            sums[i] = self.decay * sums[i] + add
+
+    def drafts_lose(self) -> bool:
+        """Whether rounds drafting from a layer delivered fewer tokens per second than plain
+        steps, both seen often enough (every `RETRY_EVERY`-th call says no, to look again)."""
+        (tokens, seconds, rounds), (plain_tokens, plain_seconds, plain_rounds) = (
+            self.sums["layer"],
+            self.sums["plain"],
+        )
+        if min(rounds, plain_rounds) < REALIZED_ROUNDS or not seconds * plain_seconds:
+            return False
+        if tokens / seconds >= plain_tokens / plain_seconds:
+            return False
+        self.refused += 1
+        if self.refused >= RETRY_EVERY:
+            self.refused = 0
+            return False
+        return True
 
 
 class _ContextScore:
