@@ -286,7 +286,7 @@ def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
             torch.zeros(1, dtype=torch.long),
         )
         record.verify_s = seconds
-        policy.realized.add(record)
+        policy.realized.add(record, 0.0)
 
     for _ in range(4):
         ran(0, 1, 0.01)  # plain steps: 100 tokens/s

@@ -169,7 +169,7 @@ class FastDynamicExit(DynamicExit):
         start = time.perf_counter()
         in_warmup = self.in_warmup
         self.context_score.committed(record)
-        self.realized.add(record)
+        self.realized.add(record, getattr(self.cost, "overhead", 0.0))
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -312,7 +312,11 @@ class FastDynamicExit(DynamicExit):
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
             row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
-        elif plain is not None and column != plain and self.realized.drafts_lose():
+        elif (
+            plain is not None
+            and column != plain
+            and self.realized.drafts_lose(1 / self.cost.plain_seconds(1))
+        ):
             column = plain  # drafts from layers really ran slower than plain steps
         self.plan_value = float(value[row, column])
         self.plain_value = float(value[0, plain]) if plain is not None else 0.0
@@ -335,8 +339,8 @@ class _Realized:
         self.sums = {"plain": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}  # tokens, s, rounds
         self.refused = 0  # layer plans refused since the last retry
 
-    def add(self, record: Round) -> None:
-        """Count a finished round of either kind."""
+    def add(self, record: Round, overhead: float) -> None:
+        """Count a finished round of either kind, with the policy's `overhead` seconds."""
         if len(record.drafted) > record.from_context:
             kind = "layer"
         elif not record.drafted:
@@ -344,20 +348,23 @@ class _Realized:
         else:
             return
         sums = self.sums[kind]
-        seconds = record.draft_s + record.verify_s
+        seconds = record.draft_s + record.verify_s + overhead
         for i, add in enumerate((len(record.tokens), seconds, 1.0)):
             sums[i] = self.decay * sums[i] + add
 
-    def drafts_lose(self) -> bool:
-        """Whether rounds drafting from a layer delivered fewer tokens per second than plain
-        steps, both seen often enough (every `RETRY_EVERY`-th call says no, to look again)."""
+    def drafts_lose(self, plain_rate: float) -> bool:
+        """Whether rounds drafting from a layer, seen often enough, delivered fewer tokens per
+        second than plain steps did (or, before plain steps were seen often enough, than
+        `plain_rate`, the cost model's); every `RETRY_EVERY`-th call says no, to look again."""
         (tokens, seconds, rounds), (plain_tokens, plain_seconds, plain_rounds) = (
             self.sums["layer"],
             self.sums["plain"],
         )
-        if min(rounds, plain_rounds) < REALIZED_ROUNDS or not seconds * plain_seconds:
+        if rounds < REALIZED_ROUNDS or not seconds:
             return False
-        if tokens / seconds >= plain_tokens / plain_seconds:
+        if plain_rounds >= REALIZED_ROUNDS and plain_seconds:
+            plain_rate = plain_tokens / plain_seconds
+        if tokens / seconds >= plain_rate:
             return False
         self.refused += 1
         if self.refused >= RETRY_EVERY:
