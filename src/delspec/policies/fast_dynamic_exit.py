@@ -315,6 +315,7 @@ class FastDynamicExit(DynamicExit):
         elif (
             plain is not None
             and column != plain
+            and isinstance(self.cost, MeasuredCost)
             and self.realized.drafts_lose(1 / self.cost.plain_seconds(1))
         ):
             column = plain  # drafts from layers really ran slower than plain steps
