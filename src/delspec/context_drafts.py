@@ -49,9 +49,6 @@ class ContextIndex:
         }
         self.extend(tokens)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def extend(self, tokens: Iterable[int]) -> None:
         """Append `tokens`: each one becomes the known successor of the n-grams ending just
         before it."""

@@ -113,7 +113,11 @@ class ContextLookup(Policy):
         self.initial, self.adaptive = options.draft_length, options.adaptive
         self.max_draft = options.max_draft if options.adaptive else options.draft_length
         self.context_ngrams = (options.ngram_min, options.ngram_max)
-        self.context_limit = self.draft_length = self.initial
+        self.draft_length = self.initial
+
+    @property
+    def context_limit(self) -> int:  # type: ignore[override]
+        return self.draft_length
 
     def start(self, exit_head: ExitHead) -> None:
         self.draft_length = self.initial
@@ -124,4 +128,3 @@ class ContextLookup(Policy):
     def observe(self, record: Round) -> None:
         if self.adaptive:
             self.draft_length = next_draft_length(self.draft_length, record, self.max_draft)
-            self.context_limit = self.draft_length
