@@ -151,9 +151,9 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
     measured = cached_profile(head, 2, 4, tmp_path)
     cost = MeasuredCost(measured, head.model.num_layers)
     plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
-    for _ in range(CostCheck.of(cost).window):  # one full window
-        CostCheck.of(cost).observe(plain, plain / 100, drafted=False)
-    assert CostCheck.of(cost).corrections == pytest.approx([0.01])
+    for _ in range(cost.check.window):  # one full window
+        cost.check.observe(plain, plain / 100, drafted=False)
+    assert cost.check.corrections == pytest.approx([0.01])
     (path,) = tmp_path.glob("profile-*.json")
     assert json.loads(path.read_text())["settled"] is False
     again = cached_profile(head, 2, 4, tmp_path)  # measured afresh, not the far-off file

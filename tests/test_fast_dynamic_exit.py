@@ -9,7 +9,7 @@ import torch
 from test_costs import profile
 from tiny_models import tiny_model
 
-from delspec.costs import CostCheck, MeasuredCost
+from delspec.costs import MeasuredCost
 from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
@@ -263,7 +263,7 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     got = decode_tokens(model, prompt, policy, max_new_tokens=100)
     expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100)
     assert got.token_ids == expected.token_ids
-    check = CostCheck.of(policy.cost)
+    check = policy.cost.check
     assert check.corrections and check.corrections[0] < 1 / 3  # fired, and far off
     corrected = policy.cost.profile  # the numbers came down
     assert corrected.layer[0] < busy["layer"][0] / 3 and corrected.head[0] < busy["head"][0] / 3

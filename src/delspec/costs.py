@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -101,6 +100,7 @@ class MeasuredCost:
         self.profile = profile
         self.num_layers = num_layers
         self.overhead = 0.0  # seconds of policy work per round, updated by the policy
+        self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
 
     def grid(
         self,
@@ -313,15 +313,7 @@ class CostCheck:
         self.corrections: list[float] = []  # factors applied, in order
         self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
 
-    _checks: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
     said: ClassVar[bool] = False  # the first correction in this process was reported
-
-    @classmethod
-    def of(cls, cost: MeasuredCost) -> CostCheck:
-        """The check of `cost` (made on first use)."""
-        if cost not in cls._checks:
-            cls._checks[cost] = cls(cost)
-        return cls._checks[cost]
 
     def observe_round(self, record: Round) -> float | None:
         """`observe` a round the engine ran, predicted by the cost's grid for its plan: context

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from delspec.cache import cache_dir
 from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
-from delspec.costs import CostCheck, CostProfile, MeasuredCost, cached_profile
+from delspec.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
 from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
@@ -191,7 +191,7 @@ class FastDynamicExit(DynamicExit):
         if isinstance(self.cost, MeasuredCost) and not in_warmup:
             self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
         if isinstance(self.cost, MeasuredCost):  # issue 29: heal a profile timed under load
-            CostCheck.of(self.cost).observe_round(record)
+            self.cost.check.observe_round(record)
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
 
