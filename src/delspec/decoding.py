@@ -43,7 +43,7 @@ class Stats:
     accepted: int = 0
     acceptance_rate: float = 0.0
     etpl: float = 0.0  # sum(accepted + 1) / sum(E * T + L)
-    mean_exit_layer: float = 0.0  # over rounds that drafted
+    mean_exit_layer: float = 0.0  # over rounds with exit-layer drafts
     mean_draft_length: float = 0.0  # over all rounds
     layer_rounds: int = 0  # rounds with exit-layer drafts
     context_rounds: int = 0  # rounds with context drafts
