@@ -49,6 +49,28 @@ def test_measured_cost_by_hand():
     assert grid[1, 2].item() == pytest.approx(10.5 + 5 + 10 + 0.5)
 
 
+def test_rounds_cost_more_further_into_a_sequence():
+    """Each position of context adds the profile's slope to every layer timing: a plain step
+    after 100 more positions costs 10 layers * 100 * slope more."""
+    p = profile([1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6, 0.25, draft_layer=0.8)
+    p.context, p.layer_slope, p.draft_layer_slope = 128, [0.001 * k for k in range(1, 7)], 0.002
+    cost = MeasuredCost(p, LAYERS)
+    near = cost.grid(EXITS, LENGTHS)
+    assert near[:, 0].tolist() == [10.5] * 3 and cost.plain_seconds(3) == pytest.approx(20.5)
+    cost.at(64)  # before the profile's own context: no cheaper than there
+    assert torch.equal(cost.grid(EXITS, LENGTHS), near)
+    cost.at(228)
+    far = cost.grid(EXITS, LENGTHS)
+    assert far[:, 0].tolist() == pytest.approx([10.5 + 10 * 100 * 0.001] * 3)
+    assert cost.plain_seconds(3) == pytest.approx(20.5 + 10 * 100 * 0.003)
+    # E = 5, d = 2: drafts through 5 layers at 0.8 + 0.2, the last one through 5 layers at
+    # 1.0 + 0.1, the rest through 5 layers over 3 rows at 2.0 + 0.3, head 0.5
+    assert far[1, 2].item() == pytest.approx(2 * (5 * 1.0 + 0.25) + 5 * 1.1 + 5 * 2.3 + 0.5)
+    p.scale(2.0)  # a correction: the slopes scale with the timings
+    cost.rescaled()
+    assert cost.grid(EXITS, LENGTHS)[:, 0].tolist() == pytest.approx([21.0 + 2.0] * 3)
+
+
 def test_measured_cost_of_int8_drafts_by_hand():
     layer = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
     cost = MeasuredCost(profile(layer, [0.5] * 6, 0.25, draft_layer=0.3, int8=True), LAYERS)
@@ -91,6 +113,9 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     first = cached_profile(head, 2, 4, tmp_path)
     assert len(first.layer) == 4 and all(t > 0 for t in first.layer + first.head)
     assert first.draft_layer > 0 and not first.int8
+    assert first.context > 0 and len(first.layer_slope) == 4
+    assert all(t >= 0 for t in first.layer_slope) and first.draft_layer_slope >= 0
+    assert all(t >= 0 for t in first.draft_head)  # a pass and the head, less a pass alone
     measured = CountingHead.calls
     again = cached_profile(head, 2, 4, tmp_path)
     assert CountingHead.calls == measured and again == first

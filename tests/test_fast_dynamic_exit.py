@@ -234,16 +234,24 @@ def test_plain_rounds_update_the_final_layer_from_their_verification():
     h = torch.randn(1, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(3))
     logits = model.head(h)
     targets = logits.argmax(-1)
-    for _ in range(3):
+
+    def plain_round(seconds: float) -> None:
         record = Round(0, 0, [], [], 0, [], targets)  # plain, no states: unscored
-        record.logits = logits
+        record.logits, record.verify_s = logits, seconds
         policy.observe(record)
+
+    for _ in range(3):
+        plain_round(1.0)  # 1% of a second: more than counting costs
     in_small = bool(targets[0] < 8)
     rows = [final, len(policy.candidates) + final]  # the final layer at each level
     assert policy.stats.matched[rows].tolist() == [3.0 * in_small, 3.0]
     assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
     others = [r for r in range(2 * len(policy.candidates)) if r not in rows]
     assert (policy.stats.matched + policy.stats.mismatched)[others].sum() == 0
+    assert policy.final_cost > 0  # measured, and charged to the shadow budget:
+    policy.credit = 0.0
+    plain_round(0.0)  # a round the budget cannot afford it for
+    assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
 
 
 def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, monkeypatch):
@@ -259,7 +267,8 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     busy["draft_layer"] = stored["draft_layer"] * 100
     busy["draft_heads"] = {k: [t * 100 for t in v] for k, v in stored["draft_heads"].items()}
     path.write_text(json.dumps(busy))
-    policy = make_policy("del-fast", model.num_layers)
+    # a new process: nothing remembered from the first generation, the profile read from file
+    policy = make_policy("del-fast", model.num_layers, remember=False)
     got = decode_tokens(model, prompt, policy, max_new_tokens=100)
     expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100)
     assert got.token_ids == expected.token_ids
@@ -302,3 +311,36 @@ def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
         ran(4, 5, 0.03)  # drafting rounds now deliver 167 tokens/s
     policy._choose()
     assert policy.plan().draft_cap > 0
+
+
+def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkeypatch):
+    """del-fast's second generation on a model skips the warm-up: the statistics, realized
+    speeds and measured cost of the first carry over (at a quarter of their weight), and the
+    output is still the model's own."""
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    model = tiny_model(seed=5, shallow=2)
+    head = DraftHead(model, vocab=[torch.arange(16), None], context_vocab=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40)
+
+    first = make_policy("del-fast", model.num_layers)
+    got = decode_tokens(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True)
+    assert got.token_ids == expected.token_ids
+    assert first.warmup_window > 0 and got.trace[0]["scored_layers"] > 0  # a warm-up
+
+    second = make_policy("del-fast", model.num_layers)
+    got = decode_tokens(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True)
+    assert got.token_ids == expected.token_ids
+    assert second.warmup_window == 0 and got.trace[0]["scored_layers"] == 0  # none
+    assert second.cost is first.cost  # corrections to the cost stay for the process
+    learned = first.stats.matched + first.stats.mismatched
+    assert learned.sum() > 0
+    # the second started from a quarter of the first's evidence (the same rates)
+    third = make_policy("del-fast", model.num_layers)
+    third.start(head.for_prompt(prompt))
+    now = second.stats.matched + second.stats.mismatched
+    torch.testing.assert_close(third.stats.matched + third.stats.mismatched, 0.25 * now)
+
+    alone = make_policy("del-fast", model.num_layers, remember=False)  # opted out: a warm-up
+    got = decode_tokens(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True)
+    assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0

@@ -31,7 +31,7 @@ from delspec.timing import settled_seconds
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 9
+PROFILE_VERSION = 11
 
 
 class LayerCost:
@@ -53,10 +53,12 @@ class LayerCost:
 class CostProfile:
     """Seconds measured for this model on one device/dtype/thread setting.
 
-    `layer[k - 1]`: k new tokens through one layer (after a context); `head[k - 1]`: k rows
-    through the full LM head; `draft_layer`: one token through one layer as drafts run it (on
-    int8 weights when `int8`); `draft_head[v]`: one row through the draft head's vocabulary
-    level v (`ExitHead.vocabs`), for the head the profile was loaded for. `settled`: whether
+    `layer[k - 1]`: k new tokens through one layer after a context of `context` positions;
+    `head[k - 1]`: k rows through the full LM head; `draft_layer`: one token through one layer
+    as drafts run it (on int8 weights when `int8`); `layer_slope[k - 1]` and
+    `draft_layer_slope`: what each position more of context adds to those (attention reads
+    every earlier position); `draft_head[v]`: one row through the draft head's vocabulary level
+    v (`ExitHead.vocabs`), for the head the profile was loaded for. `settled`: whether
     the timings can be trusted (two takes agreed); an unsettled profile is measured again after
     an hour rather than a week. `path`: the file it was read from or written to (not stored).
     """
@@ -68,6 +70,9 @@ class CostProfile:
     int8: bool
     key: str
     measured_at: float
+    context: int = 0
+    layer_slope: list[float] = field(default_factory=list)
+    draft_layer_slope: float = 0.0
     version: int = PROFILE_VERSION
     settled: bool = field(default=True, compare=False)
     path: str = field(default="", compare=False)
@@ -76,10 +81,19 @@ class CostProfile:
         """Multiply the timings by `factor` in place: all of them, or (`multi_row_only`) only
         those that plain one-token steps do not use (several rows, drafts)."""
         first = 1 if multi_row_only else 0
-        self.layer[first:] = [t * factor for t in self.layer[first:]]
-        self.head[first:] = [t * factor for t in self.head[first:]]
+        for name in ("layer", "head", "layer_slope"):
+            values = getattr(self, name)
+            values[first:] = [t * factor for t in values[first:]]
         self.draft_layer *= factor
+        self.draft_layer_slope *= factor
         self.draft_head = [t * factor for t in self.draft_head]
+
+    def layers_at(self, position: int) -> tuple[list[float], float]:
+        """`layer` and `draft_layer` after a context of `position` positions."""
+        extra = max(position - self.context, 0)
+        slopes = self.layer_slope or [0.0] * len(self.layer)
+        layer = [t + s * extra for t, s in zip(self.layer, slopes, strict=True)]
+        return layer, self.draft_layer + self.draft_layer_slope * extra
 
 
 class MeasuredCost:
@@ -94,6 +108,9 @@ class MeasuredCost:
     A round that first drafts c context tokens (free to make) verifies c + d + 1 positions; with
     layer drafts after them, drafting runs the input and the c tokens through [0, l) in one pass
     and d - 1 more tokens one at a time. With d = 0 it is every layer over c + 1 positions.
+
+    Layer timings are those at the sequence position set by `at` (the profile's own context
+    until then): a layer reads every earlier position, so rounds cost more as a reply grows.
     """
 
     def __init__(self, profile: CostProfile, num_layers: int) -> None:
@@ -101,6 +118,18 @@ class MeasuredCost:
         self.num_layers = num_layers
         self.overhead = 0.0  # seconds of policy work per round, updated by the policy
         self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
+        self.position = profile.context
+        self._layer, self._draft_layer = profile.layers_at(self.position)
+
+    def at(self, position: int) -> None:
+        """Predict rounds that start after `position` positions of the sequence."""
+        if position != self.position:
+            self.position = position
+            self._layer, self._draft_layer = self.profile.layers_at(position)
+
+    def rescaled(self) -> None:
+        """The profile's timings changed in place (`CostProfile.scale`): predict from them."""
+        self._layer, self._draft_layer = self.profile.layers_at(self.position)
 
     def grid(
         self,
@@ -114,17 +143,18 @@ class MeasuredCost:
         (default 0) in row i."""
         p = self.profile
         levels = torch.zeros_like(exit_layers) if levels is None else levels
-        layer = torch.tensor(p.layer, dtype=torch.float64)
+        layer = torch.tensor(self._layer, dtype=torch.float64)
         head = torch.tensor(p.head, dtype=torch.float64)
         k = (draft_lengths + context + 1).clamp(max=len(p.layer)) - 1  # index of rows verified
         e = exit_layers[:, None].double()
         d = draft_lengths[None, :].double()
         head_s = torch.tensor(p.draft_head, dtype=torch.float64)[levels][:, None]
+        drafted = self._draft_layer
         if context:  # one pass over the input and the context tokens, then d - 1 tokens
             first = layer[min(context, len(p.layer) - 1)]
-            draft = torch.where(d > 0, e * first + (d - 1) * e * p.draft_layer + d * head_s, 0.0)
+            draft = torch.where(d > 0, e * first + (d - 1) * e * drafted + d * head_s, 0.0)
         else:
-            draft = d * (e * p.draft_layer + head_s)
+            draft = d * (e * drafted + head_s)
         every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
         if p.int8:  # every layer again over every position
             verify = every_layer
@@ -136,9 +166,8 @@ class MeasuredCost:
     def plain_seconds(self, rows: int) -> float:
         """Seconds of a round running `rows` positions through every layer and the full head:
         a plain step (1), or a context draft of `rows - 1` tokens and its verification."""
-        p = self.profile
-        k = min(rows, len(p.layer)) - 1
-        return self.num_layers * p.layer[k] + p.head[k] + self.overhead
+        k = min(rows, len(self._layer)) - 1
+        return self.num_layers * self._layer[k] + self.profile.head[k] + self.overhead
 
 
 def profile_key(exit_head: ExitHead) -> str:
@@ -166,39 +195,50 @@ def measure_profile(
     exit_layer: int,
     max_tokens: int,
     context: int = 128,
+    far: int = 512,
     repeats: int = 3,
 ) -> CostProfile:
-    """Time the primitives a round is made of, for 1..max_tokens new tokens; drafts through
-    `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in which
-    they all take turns, taken again until two takes agree (`settled_seconds`)."""
+    """Time the primitives a round is made of, for 1..max_tokens new tokens, after `context`
+    positions and (for the layers' slopes) after `far`; drafts through `exit_head` as exit layer
+    `exit_layer`. Each primitive's fastest of `repeats` rounds in which they all take turns,
+    taken again until two takes agree (`settled_seconds`)."""
     model = exit_head.model
-    cfg, int8 = model.config, exit_head.int8
-    total = min(cfg.max_position, context + max_tokens + 1)
-    context = total - max_tokens - 1
+    cfg, int8, layers = model.config, exit_head.int8, model.num_layers
+    far = max(min(cfg.max_position - max_tokens - 1, far), 0)
+    context = min(context, far)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (context + max_tokens,), generator=gen)
-    ids = ids.to(model.device)
-    with model.scratch_cache(total), torch.inference_mode():
-        model.run_layers(model.embed(ids[:context]), 0, 0, cfg.num_layers)
-        states = model.embed(ids[context:])
+    ids = torch.randint(0, cfg.vocab_size, (far + max_tokens,), generator=gen).to(model.device)
+    with model.scratch_cache(far + max_tokens + 1), torch.inference_mode():
+        if far:
+            model.run_layers(model.embed(ids[:far]), 0, 0, layers)
+        states = model.embed(ids[far:])
+        one = states[:1]
 
         runs: dict[object, Callable[[], object]] = {}
+        for at in dict.fromkeys((context, far)):
+            for k in range(1, max_tokens + 1):
+                h = states[:k]
+                runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
+            runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
         for k in range(1, max_tokens + 1):
-            h = states[:k]
-            runs["layer", k] = lambda h=h: model.run_layers(h, context, 0, cfg.num_layers)
-            runs["head", k] = lambda h=h: model.head(h)
-        one = states[:1]
-        runs["drafted"] = lambda: model.run_layers(one, context, 0, cfg.num_layers, None, int8)
+            runs["head", k] = lambda h=states[:k]: model.head(h)
         seconds, settled = settled_seconds(runs, repeats, model.device)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
+    span = max(far - context, 1)
+    near = [seconds["layer", context, k] / layers for k in range(1, max_tokens + 1)]
+    deep = [seconds["layer", far, k] / layers for k in range(1, max_tokens + 1)]
+    drafted = seconds["drafted", context] / layers
     return CostProfile(
-        layer=[seconds["layer", k] / cfg.num_layers for k in range(1, max_tokens + 1)],
+        layer=near,
         head=[seconds["head", k] for k in range(1, max_tokens + 1)],
-        draft_layer=seconds["drafted"] / cfg.num_layers,
+        draft_layer=drafted,
         draft_head=draft_head,
         int8=int8,
         key=profile_key(exit_head),
         measured_at=time.time(),
+        context=context,
+        layer_slope=[max(d - n, 0.0) / span for n, d in zip(near, deep, strict=True)],
+        draft_layer_slope=max(seconds["drafted", far] / layers - drafted, 0.0) / span,
         settled=settled and heads_settled,
     )
 
@@ -206,14 +246,24 @@ def measure_profile(
 def measure_draft_heads(
     exit_head: ExitHead, exit_layer: int, repeats: int = 3
 ) -> tuple[list[float], bool]:
-    """Seconds of one draft row through each of `exit_head`'s vocabulary levels, and whether
-    two takes agreed (`settled_seconds`)."""
+    """Seconds of one draft row through each of `exit_head`'s vocabulary levels as drafts run
+    it, right after a pass over the layers (a head timed alone keeps its rows in the caches and
+    looks several times cheaper than it is between layers): a pass and the head, less a pass
+    alone. Also whether two takes agreed (`settled_seconds`)."""
     model = exit_head.model
-    with torch.inference_mode():
+    layers, int8 = model.num_layers, exit_head.int8
+    with model.scratch_cache(1), torch.inference_mode():
         one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
-        runs = {v: lambda v=v: exit_head(one, exit_layer, v) for v in range(len(exit_head.vocabs))}
+
+        def run_layers() -> Tensor:
+            return model.run_layers(one, 0, 0, layers, None, int8)
+
+        runs: dict[object, Callable[[], object]] = {"layers": run_layers}
+        for v in range(len(exit_head.vocabs)):
+            runs[v] = lambda v=v: exit_head(run_layers(), exit_layer, v)
         seconds, settled = settled_seconds(runs, repeats, model.device)
-    return [seconds[v] for v in range(len(exit_head.vocabs))], settled
+    alone = seconds["layers"]
+    return [max(seconds[v] - alone, 0.0) for v in range(len(exit_head.vocabs))], settled
 
 
 def cached_profile(
@@ -351,6 +401,7 @@ class CostCheck:
         factor = statistics.median(beyond)
         profile = self.cost.profile
         profile.scale(factor, multi_row_only=drafted and self.plain_confirmed)
+        self.cost.rescaled()
         self.plain_confirmed |= not drafted
         ratios.clear()
         if not drafted:

@@ -155,7 +155,9 @@ class DELOptions(_Options):
     tokens; `warmup`: prompt positions scored in round 0; `dynamic_draft=False` is DELE.
     del-fast's additions: `cost="measured"`, `no_draft`, `shadow_budget`, `prior`, `margin`
     (None: what the cost implies), `runs`, `min_evidence`, `context_drafts` (draft from the
-    context too, choosing each round's source by measured cost; needs `cost="measured"`).
+    context too, choosing each round's source by measured cost; needs `cost="measured"`),
+    `remember` (start from what the previous generation with the same model and options
+    learned, instead of a warm-up).
     """
 
     candidates: tuple[int, ...] | None = None
@@ -173,6 +175,7 @@ class DELOptions(_Options):
     runs: bool = False
     min_evidence: float = 0.0
     context_drafts: bool = False
+    remember: bool = False
 
     def check(self) -> None:
         if not 0.0 < self.omega <= 1.0:
@@ -200,9 +203,9 @@ StrategyOptions = NoOptions | StaticOptions | FSOptions | DVOptions | LookupOpti
 
 # Each strategy's default options. del-fast is DEL with the CPU/stock-checkpoint improvements:
 # measured costs, no-draft rounds, shadow work bounded to ~1% of round time, acceptance in runs,
-# drafting only from layers seen at 3+ positions, and context drafts. Its first round scores 4
-# prompt positions (once, not charged to the budget) so that a layer worth drafting from is
-# known from the start of a short reply.
+# drafting only from layers seen at 3+ positions, context drafts, and what the previous
+# generation learned. Without one, its first round scores 4 prompt positions (once, not charged
+# to the budget) so that a layer worth drafting from is known from the start of a short reply.
 STRATEGIES: dict[str, StrategyOptions] = {
     "del": DELOptions(),
     "dele": DELOptions(dynamic_draft=False),
@@ -214,6 +217,7 @@ STRATEGIES: dict[str, StrategyOptions] = {
         runs=True,
         min_evidence=3,
         context_drafts=True,
+        remember=True,
     ),
     "static": StaticOptions(),
     "fs": FSOptions(),

@@ -22,6 +22,15 @@ class ExitStatistics:
         self.confidence_matched, self.confidence_mismatched = zeros.clone(), zeros.clone()
         self.after_match, self.continued = zeros.clone(), zeros.clone()
 
+    def copy(self, weight: float = 1.0) -> ExitStatistics:
+        """An independent copy with every count and sum times `weight`: the same rates, as
+        much evidence as `weight` times these positions."""
+        twin = ExitStatistics(0, self.omega)
+        for name, values in vars(self).items():
+            if isinstance(values, Tensor):
+                setattr(twin, name, values * weight)
+        return twin
+
     def update(
         self, match: Tensor, confidence: Tensor, valid: Tensor, rows: Tensor | None = None
     ) -> None:

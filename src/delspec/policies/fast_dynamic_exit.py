@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import copy
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,8 +25,10 @@ from delspec.policies.dynamic_exit import DynamicExit
 
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
+FINAL_POSITIONS = 4  # positions a round's verification counts for the final layer, under a budget
 REALIZED_ROUNDS = 3.0  # (decayed) rounds of a kind before its realized speed counts
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
+CARRIED_WEIGHT = 0.25  # what the previous generation's statistics weigh when the next starts
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -37,6 +42,7 @@ def uses_fast_additions(options: DELOptions) -> bool:
         or options.prior
         or options.margin
         or options.context_drafts
+        or options.remember
     )
 
 
@@ -74,7 +80,9 @@ class FastDynamicExit(DynamicExit):
       scores `WARM_LAYERS` evenly spread candidates and is not charged to the budget); a
       layer's statistics decay only when it is scored. A round that is not scored still
       updates the exit layer from its own drafts, which cost nothing to score: the accepted
-      ones matched, the first rejected one did not.
+      ones matched, the first rejected one did not. The final layer is counted from the
+      verification's own logits at its first `FINAL_POSITIONS` positions, when the budget
+      allows that too (over a large head it costs a good share of a step).
     - `context_drafts=True`: each round may also draft from the context (`ContextProposal`, at
       no model cost), as a context draft alone, or one extended by exit-layer drafts. Each
       round's proposal is scored against the tokens the sequence then commits (the verifier's,
@@ -89,6 +97,14 @@ class FastDynamicExit(DynamicExit):
       final layer), errors of the cost model decide; when drafting rounds turn out slower than
       plain steps, rounds go without layer drafts (context drafts still may), retrying one in
       `RETRY_EVERY`.
+    - `remember=True`: a generation starts from what the previous one with the same model, draft
+      head and options learned (`_Learned`: the statistics of every layer and of the context
+      drafts, the realized speeds, the measured cost with its corrections), instead of a
+      warm-up from nothing: no prompt positions are scored, and round 0 already drafts where
+      that pays. The statistics start at `CARRIED_WEIGHT` of their weight (the same rates, less
+      evidence) and decay as the new sequence adds its own, so a prompt unlike the last one
+      takes over within a few rounds. A short reply then pays no warm-up, and a
+      profile corrected once stays corrected for the process.
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -99,6 +115,7 @@ class FastDynamicExit(DynamicExit):
         self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
         self.cost_name, self.no_draft, self.shadow_budget = o.cost, o.no_draft, o.shadow_budget
         self.runs, self.min_evidence = o.runs, o.min_evidence
+        self.options, self.remember = o, o.remember
         # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = (self.draft_lengths == 0).nonzero()
@@ -107,20 +124,37 @@ class FastDynamicExit(DynamicExit):
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
     def start(self, exit_head: ExitHead) -> None:
-        if self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
+        key = (self.options, type(exit_head), tuple(exit_head.vocab_sizes), exit_head.int8)
+        memory = _LEARNED.setdefault(exit_head.model, {}) if self.remember else {}
+        learned = memory.get(key)
+        if learned is not None:
+            self.cost = learned.cost
+        elif self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
         self.row_levels = torch.arange(self.levels).repeat_interleave(len(self.candidates))
-        self.collect_hidden = True
         self.credit = 0.0  # seconds of shadow work the budget allows now
         self.row_cost = 0.0  # measured seconds per scored (layer, position)
+        self.final_cost = 0.0  # measured seconds of counting the final layer from a verification
         self.cursor = 0  # rotation over candidates under a shadow budget
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.context_score = _ContextScore(self.omega, self.prior)
         self.realized = _Realized()
+        self.collect_hidden = True
+        if learned is not None and learned.stats.matched.shape == self.stats.matched.shape:
+            self.stats = learned.stats.copy(CARRIED_WEIGHT)
+            self.context_score.learned(learned.context.copy(CARRIED_WEIGHT))
+            self.realized = copy.deepcopy(learned.realized)
+            self.row_cost = learned.row_cost
+            self.warmup_window = 0  # no warm-up: the statistics are there
+            self._choose()
+            self.collect_hidden = self._will_score_next()
+        self.learned = _Learned(self.stats, self.context_score.stats, self.realized, self.cost)
+        self.learned.row_cost = self.row_cost
+        memory[key] = self.learned
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
@@ -168,30 +202,43 @@ class FastDynamicExit(DynamicExit):
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
         in_warmup = self.in_warmup
+        if isinstance(self.cost, MeasuredCost):  # issue 29: heal a profile timed under load
+            self.cost.at(record.position)
+            self.cost.check.observe_round(record)
+            self.cost.at(record.position + len(record.tokens))  # where the next round starts
         self.context_score.committed(record)
         self.realized.add(record, getattr(self.cost, "overhead", 0.0))
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
         if rows is not None:
+            scoring = time.perf_counter()
             self._score(record, rows, positions)
+            scoring = time.perf_counter() - scoring
+            if self.shadow_budget is not None:
+                self.row_cost = self.learned.row_cost = scoring / (len(rows) * len(positions))
+                # The warm-up is a one-off per prompt, like the prefill: not charged to the budget.
+                self.credit -= 0.0 if in_warmup else scoring
         elif record.drafted:
             self._count_drafts(record)
         final = self._final_row
         scored = [] if rows is None else rows.tolist()
-        if final is not None and record.exit_layer != self.num_layers and final not in scored:
+        if (
+            final is not None
+            and record.exit_layer != self.num_layers
+            and final not in scored
+            and (self.shadow_budget is None or self.credit >= self.final_cost)
+        ):
+            counting = time.perf_counter()
             self._count_final_layer(record)
+            if self.shadow_budget is not None:
+                self.final_cost = time.perf_counter() - counting
+                self.credit -= self.final_cost
         if rows is not None or record.drafted or final is not None:
             self._choose()
         elapsed = time.perf_counter() - start
-        # The warm-up is a one-off per prompt, like the prefill: it is not charged to the budget.
-        if rows is not None and self.shadow_budget is not None:
-            self.row_cost = elapsed / (len(rows) * len(positions))
-            self.credit -= 0.0 if in_warmup else elapsed
         if isinstance(self.cost, MeasuredCost) and not in_warmup:
             self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
-        if isinstance(self.cost, MeasuredCost):  # issue 29: heal a profile timed under load
-            self.cost.check.observe_round(record)
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
 
@@ -229,8 +276,11 @@ class FastDynamicExit(DynamicExit):
     def _count_final_layer(self, record: Round) -> None:
         """Update the final layer from the round's verification, at no cost: drafts from it
         are the full head restricted to each vocabulary, whose logits the verification has, at
-        the positions whose inputs were all accepted."""
+        the positions whose inputs were all accepted (under a shadow budget, the first
+        `FINAL_POSITIONS` of them: over a large head, each costs a pass over its logits)."""
         valid = record.accepted + 1
+        if self.shadow_budget is not None:
+            valid = min(valid, FINAL_POSITIONS)
         drafts = self.exit_head.final_layer_drafts(record.logits[:valid])
         if drafts is None:
             return
@@ -331,6 +381,23 @@ class FastDynamicExit(DynamicExit):
         self._take(row, column)
 
 
+@dataclass
+class _Learned:
+    """What a `FastDynamicExit` generation learned, for the next one with the same model, head
+    and options to start from (the live objects: the generation that runs keeps them current)."""
+
+    stats: ExitStatistics
+    context: ExitStatistics
+    realized: _Realized
+    cost: object  # MeasuredCost or LayerCost
+    row_cost: float = 0.0  # measured seconds per scored (layer, position)
+
+
+# per model (weakly: a model no longer used is forgotten), per (options, head type, draft
+# vocabulary sizes, int8 drafts)
+_LEARNED: weakref.WeakKeyDictionary[object, dict[tuple, _Learned]] = weakref.WeakKeyDictionary()
+
+
 class _Realized:
     """Decayed tokens and seconds of the rounds that ran, by kind: plain steps, and rounds that
     drafted from an exit layer (context drafts before them or not)."""
@@ -387,6 +454,12 @@ class _ContextScore:
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
         self.proposal = NO_PROPOSAL  # this round's
+
+    def learned(self, stats: ExitStatistics) -> None:
+        """Start from `stats` (a previous sequence's) instead of nothing."""
+        self.stats = stats
+        self.alpha = stats.alpha(self.prior).tolist()
+        self.continuation = stats.continuation(self.prior).tolist()
 
     def acceptance(self, order: int) -> tuple[float, float]:
         """A proposal of this match order: the chance its first token is accepted, and that a
