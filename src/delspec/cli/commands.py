@@ -149,6 +149,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="largest request body in MiB; larger ones get 413 (default: 4)",
     )
     srv.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        help="prompt tokens prefilled between two steps of the running requests (fewer far "
+        "into a long prompt), so that a long prompt joining does not stall their streams "
+        "(default: 128)",
+    )
+    srv.add_argument(
         "--replicas",
         type=int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -174,6 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "context": args.context,
         "request_timeout": args.timeout,
         "max_body_mb": args.max_body_mb,
+        "prefill_chunk": args.prefill_chunk,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:
