@@ -53,11 +53,17 @@ def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 async def stream_chat(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], pieces: int | None = None
+    http: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    pieces: int | None = None,
+    into: Streamed | None = None,
 ) -> Streamed:
-    """Send streaming chat `body` to the server at `url` and read its answer; with `pieces`,
-    vanish (close the connection) after that many pieces of text."""
-    out = Streamed(sent=time.monotonic())
+    """Send streaming chat `body` to the server at `url` and read its answer (into `into` if
+    given, so that others may watch it arrive); with `pieces`, vanish (close the connection)
+    after that many pieces of text."""
+    out = into or Streamed()
+    out.sent = time.monotonic()
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
             out.status = response.status_code

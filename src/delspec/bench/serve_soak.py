@@ -130,9 +130,14 @@ class _Tally:
 
 
 async def _answers(
-    http: httpx.AsyncClient, url: str, tally: _Tally, kind: str, prompts: list[str],
-    solo: dict[str, str], max_tokens: int,
-) -> None:  # fmt: skip
+    http: httpx.AsyncClient,
+    url: str,
+    tally: _Tally,
+    kind: str,
+    prompts: list[str],
+    solo: dict[str, str],
+    max_tokens: int,
+) -> None:
     """Streams answers to `prompts` in turn until the deadline; each compared with its solo."""
     i = 0
     while tally.more(kind):

@@ -102,12 +102,18 @@ async def long_join(
             for i in range(10_000):  # until the long prompt's answer is in (bounded)
                 if done.is_set():
                     return
-                prompt = own[i % len(own)]
-                seen.append((prompt, await stream_chat(http, url, chat_body(prompt, max_tokens))))
+                prompt, streamed = own[i % len(own)], Streamed()
+                seen.append((prompt, streamed))
+                await stream_chat(http, url, chat_body(prompt, max_tokens), into=streamed)
 
         clients = [asyncio.create_task(client(prompts[c::streams])) for c in range(streams)]
-        while sum(len(s.times) for _, s in seen if s.error is None) < 5 * streams:
-            await asyncio.sleep(0.05)  # the streams are going
+        deadline = time.monotonic() + TIMEOUT
+        while sum(len(s.times) >= 3 for _, s in seen) < streams:  # the streams are going
+            if time.monotonic() > deadline or any(s.error for _, s in seen):
+                done.set()
+                await asyncio.gather(*clients)
+                raise RuntimeError(f"the running streams did not start: {seen[-1][1].error}")
+            await asyncio.sleep(0.02)
         joined = time.monotonic()
         joining = await stream_chat(http, url, chat_body(long, 16))
         done.set()
