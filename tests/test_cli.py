@@ -119,6 +119,9 @@ def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
         (["generate", "x", "--exit-layer", "0"], "--exit-layer: expected an integer >= 1"),
         (["generate", "x", "--stop", ""], "--stop: a stop string must not be empty"),
         (["serve", "--max-body-mb", "0"], "--max-body-mb: expected a number > 0, got '0'"),
+        (["serve", "--prefill-chunk", "0"], "--prefill-chunk: expected an integer >= 1"),
+        (["bench-serve", "--soak", "0"], "--soak: expected a number > 0, got '0'"),
+        (["bench-serve", "--soak", "5", "--stress"], "not allowed with argument --soak"),
     ],
 )
 def test_bad_arguments_are_refused_when_parsed(capsys, argv, message):

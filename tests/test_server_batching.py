@@ -4,6 +4,9 @@ per-request strategies, log-probabilities identical under every strategy, model 
 
 from __future__ import annotations
 
+import itertools
+import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +22,7 @@ from test_server import (
     running,
     sse,
     tiny_lm,
+    wait_until,
 )
 
 from delspec.bench.serve_load import parse_setups, run_bench_serve
@@ -85,6 +89,70 @@ def test_concurrent_requests_are_batched_and_each_gets_its_solo_answer(
     assert steps > alone  # some steps were batched
     assert float(samples["delspec_time_to_first_token_seconds_count"]) >= len(requests)
     assert "# TYPE delspec_queue_wait_seconds histogram" in metrics
+
+
+def rows_cost(lm: LoadedModel, per_row_s: float) -> LoadedModel:
+    """`lm` with every layer-range call slowed down by `per_row_s` per row (a prefill of n
+    rows costing n times a step of one row, as on a real model)."""
+    model = lm.model
+    run_layers = model.run_layers
+
+    def slow_run_layers(h: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(per_row_s * h.shape[0])
+        return run_layers(h, *args, **kwargs)
+
+    model.run_layers = slow_run_layers
+    return lm
+
+
+def token_times(url: str, body: dict[str, Any], times: list[float]) -> str:
+    """Streams `body`; appends the arrival time of each piece of text to `times`."""
+    text = ""
+    with httpx.stream("POST", url + TEXT, json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                piece = json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+                if piece:
+                    times.append(time.monotonic())
+                    text += piece
+    return text
+
+
+@pytest.mark.parametrize("chunk", [16, 10**6], ids=["chunked", "one pass"])
+def test_a_long_prompt_joins_in_chunks_without_stalling_running_streams(
+    smollm2: LoadedModel, reference: LoadedModel, chunk: int
+) -> None:
+    per_row = 0.004  # seconds of model time per row: a one-pass prefill of the long prompt
+    long = " ".join(f"item {i}," for i in range(46))  # ~230 tokens: ~0.9 s at once
+    assert 200 < len(smollm2.tokenizer.encode(long)) < 240
+    app = create_app(rows_cost(tiny_lm(smollm2), per_row), max_batch=4, prefill_chunk=chunk)
+    streams = [
+        {"prompt": p, "max_tokens": 120, "temperature": 0, "stream": True} for p in PROMPTS[:3]
+    ]
+    joining = {"prompt": long, "max_tokens": 8, "temperature": 0, "stream": True}
+    times: list[list[float]] = [[] for _ in streams]
+    with running(app) as url, ThreadPoolExecutor(4) as pool:
+        running_answers = [
+            pool.submit(token_times, url, body, own)
+            for body, own in zip(streams, times, strict=True)
+        ]
+        wait_until(lambda: all(len(own) >= 3 for own in times), TIMEOUT)
+        joined = time.monotonic()
+        long_answer = pool.submit(token_times, url, joining, [])
+        got = [a.result(timeout=TIMEOUT) for a in [*running_answers, long_answer]]
+    gaps = [b - a for own in times for a, b in itertools.pairwise(own) if b > joined]
+    assert got == [expected(reference, TEXT, body) for body in [*streams, joining]]
+    if chunk == 16:  # 16 rows and a step of 4: ~0.1 s (generous: a busy machine)
+        assert max(gaps) < 0.45
+    else:  # the check above tells the two apart
+        assert max(gaps) > 0.8
+
+
+@pytest.mark.parametrize("chunk", [0, 2.5, True])
+def test_the_prefill_chunk_is_a_positive_integer(smollm2: LoadedModel, chunk: Any) -> None:
+    with pytest.raises(ConfigError, match="prefill_chunk must be an integer >= 1"):
+        create_app(tiny_lm(smollm2), max_batch=1, prefill_chunk=chunk)
 
 
 def test_log_probabilities_are_the_same_under_every_strategy(smollm2: LoadedModel) -> None:

@@ -21,6 +21,7 @@ from delspec.engine import Engine, ExitHead, Round
 from delspec.errors import ConfigError, ContextLengthError, is_integer
 from delspec.model import Transformer
 from delspec.policies import Policy
+from delspec.prefill import Prefill, prefill_chunk
 from delspec.sampling import Sampling, draw
 from delspec.timing import fastest_seconds, synchronize
 
@@ -192,28 +193,12 @@ class Decoding:
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
 
 
-@torch.inference_mode()
 def start_together(decodings: Sequence[Decoding]) -> None:
     """`Decoding.start` for several decodings (on distinct cache slots of one model) in one
-    batched pass over the weights: every prompt's rows at once. (No DEL warm-up context is
-    kept: its first round scores its own positions only.)"""
-    model = decodings[0].model
-    start = time.perf_counter()
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    for d in decodings:
-        d.engine.begin(d.prompt, d.capacity)
-        ids += d.prompt[:-1]
-        positions += range(len(d.prompt) - 1)
-        slots += [d.engine.slot] * (len(d.prompt) - 1)
-    if ids:
-        states = model.embed(torch.tensor(ids, device=model.device))
-        model.run_rows(states, positions, slots, 0, model.num_layers)
-    synchronize(model.device)
-    share = (time.perf_counter() - start) / len(decodings)
-    for d in decodings:
-        d.prefill_s = share
+    batched pass over the weights: every prompt's rows at once (`prefill_chunk` without a
+    budget; the server prefills in chunks). (No DEL warm-up context is kept: its first round
+    scores its own positions only.)"""
+    prefill_chunk([Prefill(d) for d in decodings])
 
 
 @torch.inference_mode()

@@ -227,19 +227,27 @@ def run_bench_serve(
 @contextmanager
 def _server(serve_args: list[str], setup: Setup, max_queue: int) -> Iterator[str]:
     """`delspec serve` for `setup` in a process of its own on a free loopback port."""
+    options = ["--strategy", setup.strategy, "--max-queue", str(max_queue)]
+    if setup.max_batch is not None:
+        options += ["--max-batch", str(setup.max_batch)]
+    with serve_process([*serve_args, *options], setup.label) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_process(serve_args: list[str], label: str = "the server") -> Iterator[tuple[str, int]]:
+    """`delspec serve` with `serve_args` in a process of its own on a free loopback port, until
+    it answers /health; yields its URL and process id, and stops it after."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "delspec.cli", "serve", *serve_args, "--port", str(port)]
-    command += ["--strategy", setup.strategy, "--max-queue", str(max_queue)]
-    if setup.max_batch is not None:
-        command += ["--max-batch", str(setup.max_batch)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            _wait_for(url, process, log, setup.label)
-            yield url
+            _wait_for(url, process, log, label)
+            yield url, process.pid
         finally:
             process.terminate()
             try:
@@ -265,6 +273,18 @@ def _wait_for(url: str, process: subprocess.Popen, log: Any, label: str) -> None
         if time.monotonic() > deadline:
             raise ConfigError(f"the server for {label} did not start")
         time.sleep(0.2)
+
+
+def describe(url: str, serve_args: list[str] | None) -> dict[str, Any]:
+    """Where a measurement of the server at `url` ran: its model (as it names it), the CPU,
+    the date, and the server's options (None: a server the bench did not start)."""
+    model = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+    return {
+        "model": model,
+        "cpu": cpu_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "serve_args": None if serve_args is None else " ".join(serve_args),
+    }
 
 
 def _write(runs: list[Run], model: str | None, max_tokens: int, per_client: int, out: Path) -> None:

@@ -149,6 +149,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="largest request body in MiB; larger ones get 413 (default: 4)",
     )
     srv.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        help="prompt tokens prefilled between two steps of the running requests (fewer far "
+        "into a long prompt), so that a long prompt joining does not stall their streams "
+        "(default: 128)",
+    )
+    srv.add_argument(
         "--replicas",
         type=int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -174,6 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "context": args.context,
         "request_timeout": args.timeout,
         "max_body_mb": args.max_body_mb,
+        "prefill_chunk": args.prefill_chunk,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:
@@ -206,31 +214,54 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
     model_arguments(load)
     load.add_argument(
         "--setups",
-        default="ar@1,ar,del-fast@1,del-fast",
-        help="server setups STRATEGY[@BATCH],... (no @: the batch size measured at start)",
+        help="server setups STRATEGY[@BATCH],... (no @: the batch size measured at start; "
+        "default: ar@1,ar,del-fast@1,del-fast); --soak and --stress use the first (default: "
+        "the server's strategy and batch size; --stress: batch size 5)",
     )
     load.add_argument("--clients", default="1,4,8,16", help="concurrent clients, e.g. 1,4,8,16")
     load.add_argument("--requests-per-client", type=int, default=2)
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--url", help="measure the server already running there instead")
-    load.add_argument("--out", type=Path, default=Path("bench-serve-results"))
+    load.add_argument("--out", type=Path, help="results directory (default: bench-serve-results)")
+    mode = load.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--soak",
+        type=positive_number,
+        metavar="SECONDS",
+        help="instead: a soak of SECONDS (normal, long, vanishing and hostile clients together): "
+        "5xx, answers that differ from solo, queue depth and server RSS over time",
+    )
+    mode.add_argument(
+        "--stress",
+        action="store_true",
+        help="instead: running streams while a ~3000-token prompt joins, and /health and a "
+        "small chat while 3 clients send 10 MB bodies",
+    )
+    load.add_argument(
+        "--long-tokens",
+        type=positive_int,
+        help="tokens of the long prompts, about (default: 1500 with --soak, 3000 with --stress)",
+    )
     load.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from delspec.bench.serve_load import parse_setups, run_bench_serve
 
-    setups = parse_setups(args.setups)
+    serve_args = ["--model", str(args.model), "--weights", str(args.weights or "auto")]
+    serve_args += ["--device", args.device] + (
+        ["--threads", str(args.threads)] if args.threads else []
+    )
+    if args.soak is not None or args.stress:
+        return _bench_serve_hostile(args, serve_args)
+    setups = parse_setups(args.setups or "ar@1,ar,del-fast@1,del-fast")
     try:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
     except ValueError:
         raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
     if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    serve_args = ["--model", str(args.model), "--weights", str(args.weights or "auto")]
-    serve_args += ["--device", args.device] + (
-        ["--threads", str(args.threads)] if args.threads else []
-    )
+    out = args.out or Path("bench-serve-results")
     run_bench_serve(
         serve_args,
         setups,
@@ -238,9 +269,44 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         per_client=args.requests_per_client,
         max_tokens=args.max_tokens,
         url=args.url,
-        out=args.out,
+        out=out,
     )
-    print(f"delspec: wrote results.json, summary.json, table.md, throughput.png to {args.out}")
+    print(f"delspec: wrote results.json, summary.json, table.md, throughput.png to {out}")
+    return 0
+
+
+def _bench_serve_hostile(args: argparse.Namespace, serve_args: list[str]) -> int:
+    """`bench-serve --soak` or `--stress`, against a server with the first of `--setups` (if
+    given)."""
+    from delspec.bench.serve_load import parse_setups
+    from delspec.bench.serve_soak import run_soak
+    from delspec.bench.serve_stress import run_stress
+
+    if args.setups:
+        setup = parse_setups(args.setups)[0]
+        serve_args += ["--strategy", setup.strategy]
+        if setup.max_batch is not None:
+            serve_args += ["--max-batch", str(setup.max_batch)]
+    if args.soak is not None:
+        out = args.out or Path("bench-serve-soak")
+        result = run_soak(
+            serve_args, args.soak, out, url=args.url, max_tokens=args.max_tokens,
+            long_tokens=args.long_tokens or 1500,
+        )  # fmt: skip
+        print(
+            f"delspec: soak of {args.soak:g} s: {sum(result.requests.values())} requests, "
+            f"{result.server_errors} 5xx, {result.wrong_answers} answers not solo, RSS growth "
+            f"{result.rss_growth_pct}%; wrote results.json, table.md to {out}"
+        )
+        return 0
+    out = args.out or Path("bench-serve-stress")
+    results = run_stress(serve_args, out, url=args.url, long_tokens=args.long_tokens or 3000)
+    joins, bodies = results["long_prompt_joins"], results["big_bodies"]
+    print(
+        f"delspec: longest gap while a long prompt joined {joins['gap_during_max_s']:.2f} s; "
+        f"/health p99 {bodies['health_p99_ms']:.0f} ms under big bodies; wrote results.json, "
+        f"table.md to {out}"
+    )
     return 0
 
 

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from delspec.decode_config import DecodeConfig
 from delspec.decoding import measured_max_batch
 from delspec.draft_head import draft_head
-from delspec.errors import ConfigError, DelspecError
+from delspec.errors import ConfigError, DelspecError, is_integer
 from delspec.policies import make_policy
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
@@ -28,7 +28,7 @@ from delspec.server.protocol import (
     validation_error,
 )
 from delspec.server.service import Service
-from delspec.server.worker import Worker
+from delspec.server.worker import DEFAULT_PREFILL_CHUNK, Worker
 
 if TYPE_CHECKING:
     from delspec.loading import LoadedModel
@@ -51,6 +51,7 @@ def create_app(
     model_name: str | None = None,
     aliases: tuple[str, ...] = (),
     max_body_mb: float | None = None,
+    prefill_chunk: int | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
     request's `delspec` options update.
@@ -62,18 +63,28 @@ def create_app(
     (default: `request_timeout`) its wait in the queue. `model_name` (default `lm.name`) is the
     id the server lists; clients may also name the model by any of `aliases` (e.g. the name it
     was loaded by). A request body of more than `max_body_mb` MiB (default:
-    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`).
-    Raises `ConfigError` for invalid settings.
+    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled
+    at most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
+    running ones. Raises `ConfigError` for invalid settings.
     """
     config, context, queue_timeout = check_options(
-        lm, config, max_queue, max_batch, context, request_timeout, queue_timeout, max_body_mb
+        lm,
+        config,
+        max_queue,
+        max_batch,
+        context,
+        request_timeout,
+        queue_timeout,
+        max_body_mb,
+        prefill_chunk,
     )
     if max_batch is None:
         max_batch = measured_max_batch(lm.model)
         print(f"delspec: generating for up to {max_batch} requests at once", file=sys.stderr)
     names = tuple(dict.fromkeys([model_name or lm.name, *aliases]))
     metrics = Metrics(lm.model.num_layers)
-    worker = Worker(lm, max_queue, metrics, max_batch, context)
+    chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager
@@ -100,6 +111,7 @@ def check_options(
     request_timeout: float,
     queue_timeout: float | None,
     max_body_mb: float | None = None,
+    prefill_chunk: int | None = None,
 ) -> tuple[DecodeConfig, int, float]:
     """`create_app`'s settings checked (`ConfigError` for the first bad one) and completed:
     the config, the context and the queue timeout, defaults filled in."""
@@ -112,6 +124,8 @@ def check_options(
         raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
     if max_body_mb is not None and not 0 < max_body_mb < float("inf"):
         raise ConfigError(f"max_body_mb must be > 0, got {max_body_mb}")
+    if prefill_chunk is not None and (not is_integer(prefill_chunk) or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
     if request_timeout <= 0 or queue_timeout <= 0:
         raise ConfigError(
