@@ -435,5 +435,7 @@ def test_health_answers_while_clients_send_large_bodies(tiny_url: str) -> None:
         time.sleep(0.05)
     for client in clients:
         client.join()
-    assert statuses == [400] * 3  # too long for the context, once tokenized
+    assert statuses == [400] * 3  # too long for the context, found before tokenizing
     assert slowest < 2.0
+    error = assert_error(httpx.post(tiny_url + TEXT, json=big, timeout=TIMEOUT), 400, "prompt")
+    assert error["code"] == "context_length_exceeded" and "3000000 characters" in error["message"]

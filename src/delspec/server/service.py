@@ -53,6 +53,11 @@ class Service:
         self.name, self.names = names[0], names
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
         self.context = worker.context  # positions a request may use: prompt and reply
+        # A token never stands for more text than its longest vocabulary entry (4 times that,
+        # for normalizers that drop characters): a text longer than the context holds in such
+        # tokens is refused without the seconds of tokenizing it.
+        longest = max(map(len, lm.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 4 * longest * self.context
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
@@ -111,7 +116,20 @@ class Service:
 
     async def _encode(self, prompt: Prompt, param: str) -> list[int]:
         """`encode_prompt` on a worker thread (a long text or chat template must not hold up
-        the event loop); a `ConfigError` is a 400 naming request field `param`."""
+        the event loop); a `ConfigError` is a 400 naming request field `param`, and so is a
+        text that cannot fit in the context, found before tokenizing it."""
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        else:
+            chars = sum(len(m.get("content") or "") for m in prompt if isinstance(m, dict))
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{'the conversation' if param == 'messages' else 'the prompt'} has {chars} "
+                f"characters, more than a context of {self.context} tokens can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
         try:
             return await asyncio.to_thread(encode_prompt, self.lm, prompt)
         except ConfigError as exc:
