@@ -98,10 +98,10 @@ class GGUFFile:
         not the array, or they stay resident)."""
         info = self.tensors[name]
         try:
-            data = np.memmap(self.path, np.uint8, "c", info.offset, (info.nbytes,))
+            mapped = np.memmap(self.path, np.uint8, "c", info.offset, (info.nbytes,))
         except (OSError, ValueError) as exc:
             raise ModelFormatError(f"cannot read tensor {name} of {self.path}: {exc}") from exc
-        return data.reshape(info.rows, -1)
+        return np.asarray(mapped).reshape(info.rows, -1)  # an ndarray: numpy's memmap is slow
 
     def get(self, hf_name: str) -> Tensor:
         """The float32 values of the tensor transformers names `hf_name` (prefix-free), exactly
