@@ -785,6 +785,21 @@ int64_t dl_tile_bytes(int type, int64_t N, int64_t K) {
     return (N + TILE - 1) / TILE * (K / L.values) * L.tile_bytes;
 }
 
+/* Row l's bits [shift, shift + w) of the 32 values q of a group, written whole bytes at a time
+ * into an area of width w (see area_byte: value 4v + i of row l is in byte 32 (v / (8 / w)) +
+ * 4 l + i at bit w (v % (8 / w))). */
+static inline __attribute__((always_inline)) void put_area_row(uint8_t *area, int w, int l,
+                                                               const uint16_t *q, int shift) {
+    int per = 8 / w;
+    unsigned mask = (1u << w) - 1;
+    for (int vb = 0; vb < w; ++vb)
+        for (int i = 0; i < 4; ++i) {
+            unsigned byte = 0;
+            for (int k = 0; k < per; ++k) byte |= ((q[4 * (vb * per + k) + i] >> shift) & mask) << (w * k);
+            area[32 * vb + 4 * l + i] = (uint8_t)byte;
+        }
+}
+
 /* Tile row tn (rows 8 tn.. of N) of GGUF rows repacked: inlined with `type` a constant, so
  * that the per-value layout arithmetic folds away. */
 static inline __attribute__((always_inline)) void pack_tile_row(int type, const uint8_t *rows,
@@ -804,8 +819,14 @@ static inline __attribute__((always_inline)) void pack_tile_row(int type, const 
             uint8_t *t = out + b * L.tile_bytes;
             put_fields(type, src, t, l);
             for (int g = 0; g < per; ++g) {
+                uint8_t *area = t + L.head + g * L.group_bytes;
                 gguf_values(type, src, g, q);
-                for (int i = 0; i < GROUP; ++i) set_tile_value(&L, t + L.head + g * L.group_bytes, l, i, q[i]);
+                if (L.low == 16) {
+                    for (int i = 0; i < GROUP; ++i) set_tile_value(&L, area, l, i, q[i]);
+                    continue;
+                }
+                put_area_row(area, L.low, l, q, 0);
+                if (L.high) put_area_row(area + 32 * L.low, L.high, l, q, L.low);
             }
         }
     }
