@@ -7,16 +7,23 @@ block random bits. It is written once (~4.9 GB) into the delspec cache and kept.
 runs in its own process (llama.cpp through llama-cpp-python, when importable) and reports load
 seconds, peak resident memory, and prefill and decode tokens per second on one random prompt.
 
-    python benchmarks/large_model.py                 # the 8B shape (needs ~5 GB disk, ~6 GB RAM)
-    python benchmarks/large_model.py --shape small   # a ~30 MB model, to check the script
+    python benchmarks/large_model.py                 # the 8B shape (needs ~5 GB disk, ~7 GB RAM)
+    python benchmarks/large_model.py --shape llama3.2-1b   # the same for a ~0.9 GB file
+    python benchmarks/large_model.py --shape small --out /tmp/large   # a 6 MB check
+
+Results go to `--out` (default benchmarks/results/large-model/): `{shape}.json` and `table.md`,
+naming the CPU and checking the goals of issue 28 (delspec's peak RSS <= the file + 1.5 GB, its
+decode >= 1.2x llama.cpp's).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -26,9 +33,13 @@ import gguf
 import numpy as np
 
 from delspec.cache import cache_dir
+from delspec.kernels.build import cpu_flags, cpu_name
+
+RESULTS = Path(__file__).parent / "results" / "large-model"
 
 SHAPES = {  # layers, hidden, ffn, heads, kv heads, vocab
     "llama3-8b": (32, 4096, 14336, 32, 8, 128256),
+    "llama3.2-1b": (16, 2048, 8192, 32, 8, 128256),  # ~0.9 GB: the 1 GB-class load
     "small": (2, 512, 1536, 8, 2, 4096),
 }
 _Q4_K, _Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
@@ -108,6 +119,9 @@ def _random_tensor(
 
 
 def run_delspec(path: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    """Load the file in delspec (native weights) and decode greedily with `ar`; with no new
+    tokens, load only (a first load: the metadata entry and, on a new machine or shape, the
+    kernel choices are made then)."""
     import torch
 
     from delspec.decoding import decode_tokens
@@ -117,17 +131,17 @@ def run_delspec(path: str, prompt: list[int], new_tokens: int, threads: int) -> 
     torch.set_num_threads(threads)
     start = time.perf_counter()
     model = load_model(path).model
-    loaded = time.perf_counter() - start
-    policy = make_policy("ar", model.num_layers)
-    stats = decode_tokens(model, prompt, policy, max_new_tokens=new_tokens).stats
-    return {
-        "load_s": loaded,
-        "prefill_tok_s": len(prompt) / (stats.prefill_ms / 1e3),
-        "decode_tok_s": 1e3 / stats.decode_ms_per_token,
-    }
+    result = {"load_s": time.perf_counter() - start}
+    if new_tokens:
+        policy = make_policy("ar", model.num_layers)
+        stats = decode_tokens(model, prompt, policy, max_new_tokens=new_tokens).stats
+        result["prefill_tok_s"] = len(prompt) / (stats.prefill_ms / 1e3)
+        result["decode_tok_s"] = 1e3 / stats.decode_ms_per_token
+    return result
 
 
 def run_llama_cpp(path: str, prompt: list[int], new_tokens: int, threads: int) -> dict:
+    """Load the file in llama.cpp (memory-mapped, its default) and decode greedily."""
     from llama_cpp import Llama
 
     start = time.perf_counter()
@@ -147,6 +161,15 @@ def run_llama_cpp(path: str, prompt: list[int], new_tokens: int, threads: int) -
 
 
 ENGINES = {"delspec": run_delspec, "llama.cpp": run_llama_cpp}
+# runs, each in a fresh process: (label, engine, load only)
+RUNS = [
+    ("delspec first load", "delspec", True),
+    ("delspec", "delspec", False),
+    ("llama.cpp", "llama.cpp", False),
+]
+RSS_ALLOWANCE_MB = 1.5 * 1024  # delspec's peak RSS may exceed the file by this much
+DECODE_GOAL = 1.2  # delspec's decode speed over llama.cpp's
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def main() -> None:
@@ -156,6 +179,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="where results.json and table.md go"
+    )
     parser.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     path = args.model or cache_dir() / "benchmarks" / f"synthetic-{args.shape}.gguf"
@@ -172,29 +198,86 @@ def main() -> None:
         print(f"writing {path} (once)...", file=sys.stderr, flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_model(path, args.shape)
-    print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB, {args.threads} threads")
-    print(f"{'engine':<10} {'load s':>7} {'peak MB':>8} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for engine in ENGINES:
+    file_mb = path.stat().st_size / 2**20
+    print(f"{path.name}: {file_mb:.0f} MB, {args.threads} threads", flush=True)
+    rows = []
+    for label, engine, load_only in RUNS:
         if engine == "llama.cpp" and not _importable("llama_cpp"):
-            print(f"{engine:<10} skipped: llama-cpp-python is not installed")
+            rows.append({"run": label, "error": "llama-cpp-python is not installed"})
             continue
         command = [sys.executable, __file__, "--engine", engine, "--model", str(path)]
         command += ["--shape", args.shape, "--threads", str(args.threads)]
-        command += [
-            "--prompt-tokens",
-            str(args.prompt_tokens),
-            "--new-tokens",
-            str(args.new_tokens),
-        ]
+        command += ["--prompt-tokens", str(args.prompt_tokens)]
+        command += ["--new-tokens", "0" if load_only else str(args.new_tokens)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"{engine:<10} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            rows.append({"run": label, "error": (done.stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            rows.append({"run": label, **json.loads(done.stdout.strip().splitlines()[-1])})
+        print(json.dumps(rows[-1]), flush=True)
+    report = {
+        "shape": args.shape,
+        "file_mb": round(file_mb, 1),
+        "threads": args.threads,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "cpu": cpu_name(),
+        "cpu_flags": sorted(set(SIMD_FLAGS) & cpu_flags()),
+        "cpu_count": os.cpu_count(),
+        "runs": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.shape}.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(render_table(report))
+    reports = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
+    tables = "\n".join(render_table(r) for r in reports)
+    (args.out / "table.md").write_text(f"# Large GGUF files: delspec vs llama.cpp\n\n{tables}")
+
+
+def render_table(report: dict) -> str:
+    """One run's results as a Markdown section, with the issue's two goals checked."""
+    runs = {row["run"]: row for row in report["runs"]}
+    lines = [
+        f"## A synthetic {report['shape']} Q4_K_M GGUF",
+        "",
+        f"CPU: {report['cpu']} ({report['cpu_count']} cores; {', '.join(report['cpu_flags'])}); "
+        f"{report['threads']} threads; file {report['file_mb']:.0f} MB; "
+        f"{report['prompt_tokens']}-token prompt, {report['new_tokens']} new tokens (greedy); "
+        f"{report['date']}.",
+        "",
+        f"`{report['command']}`",
+        "",
+        "Random weights (Q4_K layers and embedding, Q6_K head), so only speed and memory mean "
+        "anything. Each run is a fresh process; `delspec first load` reads the metadata into "
+        "the cache (and times the product kernels when this CPU has not yet for this shape).",
+        "",
+        "| run | load s | peak RSS MB | prefill tok/s | decode tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["runs"]:
+        if "error" in row:
+            lines.append(f"| {row['run']} | failed: {row['error']} | | | |")
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(
-            f"{engine:<10} {r['load_s']:>7.1f} {r['peak_rss_mb']:>8.0f} "
-            f"{r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f}"
+        cells = [f"{row['load_s']:.1f}", f"{row['peak_rss_mb']:.0f}"]
+        cells += [f"{row[k]:.1f}" if k in row else "" for k in ("prefill_tok_s", "decode_tok_s")]
+        lines.append(f"| {row['run']} | {' | '.join(cells)} |")
+    lines.append("")
+    ours, theirs = runs.get("delspec", {}), runs.get("llama.cpp", {})
+    peak = max(r.get("peak_rss_mb", 0) for r in report["runs"] if r["run"].startswith("delspec"))
+    limit = report["file_mb"] + RSS_ALLOWANCE_MB
+    lines.append(
+        f"- delspec peak RSS {peak:.0f} MB <= file + 1.5 GB ({limit:.0f} MB): "
+        f"{'pass' if 0 < peak <= limit else 'FAIL'}"
+    )
+    if "decode_tok_s" in ours and "decode_tok_s" in theirs:
+        ratio = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        verdict = "pass" if ratio >= DECODE_GOAL else "FAIL"
+        lines.append(
+            f"- delspec decode {ratio:.2f}x llama.cpp's (goal >= {DECODE_GOAL}x): {verdict}"
         )
+    return "\n".join(lines) + "\n"
 
 
 def _peak_resident_mb() -> float:

@@ -30,6 +30,7 @@ from tiny_models import (
     tiny_hf_llama,
 )
 from transformers import (
+    AutoConfig,
     AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
@@ -45,6 +46,7 @@ from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.gguf_file import INDEX, GGUFFile
+from delspec.gguf_header import read_header
 from delspec.loading import LoadedModel, load_model, model_depth, resolve_dtype
 from delspec.named_models import default_model_path, named_model_path
 
@@ -569,8 +571,8 @@ def test_gguf_gemma3_rope_scaling_applies_to_global_layers(tmp_path):
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(8.0)
     config = Gemma3TextConfig()
-    reader = gguf.GGUFReader(_finish(writer, path))
-    gguf_file._carry_rope_scaling(path, reader, "gemma3", config.head_dim, config)
+    header = read_header(_finish(writer, path))
+    gguf_file._carry_rope_scaling(path, header, "gemma3", config.head_dim, config)
     assert config.rope_parameters["full_attention"] == {
         "rope_type": "linear",
         "factor": 8.0,
@@ -587,6 +589,54 @@ def test_unsupported_gguf_rope_scaling_is_refused(tmp_path, cache):
     with pytest.raises(ModelFormatError, match=r"unsupported RoPE scaling 'yarn' \(supported"):
         load_model(path)
     assert list((cache / "gguf").iterdir()) == []
+
+
+def test_gguf_header_matches_the_gguf_packages_reader(tmp_path):
+    path = write_gguf(tiny_gemma3(), tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    header, reader = read_header(path), gguf.GGUFReader(path)
+    assert list(header.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        ours = header.tensors[t.name]
+        assert (ours.qtype, ours.offset, ours.nbytes) == (t.tensor_type, t.data_offset, t.n_bytes)
+        assert ours.dims == tuple(reversed(t.shape.tolist()))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    ours = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in header.metadata.items()}
+    assert ours.keys() == fields.keys()
+    for key, value in fields.items():
+        assert ours[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gguf_config_is_transformers_own(tmp_path, layout):
+    """The config made from the header is the one transformers' GGUF loader makes."""
+    path = write_gguf(LAYOUTS[layout](), tmp_path / f"{layout}.gguf")
+    ours = gguf_file._hf_config(path, read_header(path))
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert type(ours) is type(theirs)
+    # only the path transformers read it from, which it keeps, differs
+    assert {**ours.to_diff_dict(), "_name_or_path": ""} == {
+        **theirs.to_diff_dict(),
+        "_name_or_path": "",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_real_gguf_config_and_tokenizer_are_transformers_own(tmp_path, cache, name):
+    """On the named models' files: the cached config and tokenizer (made without transformers'
+    slow GGUF reader) are those transformers' GGUF support makes, on real text."""
+    path = named_model_path(name)
+    loaded = load_model(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert config_from_hf(config.to_dict()) == loaded.model.config
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = loaded.tokenizer
+    text = Path(__file__).read_text() + "\nÉté 東京 😀 naïve café — ½ ∑ \t  spaces"
+    ids = ours(text)["input_ids"]
+    assert ids == theirs(text)["input_ids"] and ours.decode(ids) == theirs.decode(ids)
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.chat_template == theirs.chat_template
 
 
 # --- the real SmolLM2 ----------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """A GGUF file read in place: config and tokenizer from its metadata, tensors from the file.
 
-On first use the file is parsed once (the `gguf` package's reader, transformers' GGUF support)
-into a small cache entry: `config.json` (with the RoPE scaling that transformers' GGUF reader
-drops), the tokenizer files, and an index of the tensors (type, shape, where they lie, the
-Hugging Face name transformers gives them). Later loads read that entry and, tensor by tensor,
+On first use the file's header is parsed once (`gguf_header`) into a small cache entry: the
+`config.json` and tokenizer files transformers' GGUF support makes of it (with the RoPE scaling
+that transformers' GGUF reader drops), and an index of the tensors (type, shape, where they lie,
+the Hugging Face name transformers gives them). Later loads read that entry and, tensor by tensor,
 the bytes they need from the file. Nothing in the cache is a copy of the weights.
 """
 
@@ -22,17 +22,16 @@ import gguf
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.modeling_gguf_pytorch_utils import (
-    TENSOR_PROCESSORS,
-    TensorProcessor,
-    get_gguf_hf_weights_map,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TokenizersBackend
+from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-from delspec.architectures import config_from_hf
+from delspec.architectures import FAMILIES, config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.checkpoint import strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
+from delspec.gguf_header import GGUFHeader, read_header
 from delspec.modules import rope_inv_freq
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
@@ -94,16 +93,15 @@ class GGUFFile:
         return {strip_prefix(t.hf_name): name for name, t in tensors if t.hf_name is not None}
 
     def raw(self, name: str) -> np.ndarray:
-        """Tensor `name`'s bytes as stored, uint8 `[rows, row bytes]` (read, not mapped: the
-        pages of a map would stay resident with the blocks made from them)."""
+        """Tensor `name`'s bytes as stored, uint8 `[rows, row bytes]`: a private (copy-on-write)
+        map of the file, so its pages are read as used and leave with the array (keep a copy,
+        not the array, or they stay resident)."""
         info = self.tensors[name]
         try:
-            data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+            mapped = np.memmap(self.path, np.uint8, "c", info.offset, (info.nbytes,))
         except (OSError, ValueError) as exc:
             raise ModelFormatError(f"cannot read tensor {name} of {self.path}: {exc}") from exc
-        if data.size != info.nbytes:
-            raise ModelFormatError(f"{self.path} is truncated: tensor {name} is cut short")
-        return data.reshape(info.rows, -1)
+        return np.asarray(mapped).reshape(info.rows, -1)  # an ndarray: numpy's memmap is slow
 
     def get(self, hf_name: str) -> Tensor:
         """The float32 values of the tensor transformers names `hf_name` (prefix-free), exactly
@@ -117,63 +115,108 @@ class GGUFFile:
 
 def _describe(path: Path, out: Path) -> None:
     """Write the cache entry of GGUF file `path` into directory `out`."""
-    reader, architecture = _check_gguf(path)
+    header = _check_gguf(path)
+    architecture = header.architecture
     print(f"delspec: reading {path.name}'s metadata (first load only)", file=sys.stderr, flush=True)
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except LIBRARY_ERRORS as exc:  # the file is whole, so transformers cannot map it
-        raise ModelFormatError(
-            f"unsupported architecture {architecture!r} in {path} ({exc})"
-        ) from exc
+    config = _hf_config(path, header)
     head_dim = config_from_hf(config.to_dict()).head_dim  # refuses unsupported families
-    _carry_rope_scaling(path, reader, architecture, head_dim, config)
+    _carry_rope_scaling(path, header, architecture, head_dim, config)
     try:
-        with torch.device("meta"):  # only its parameter names are used, to name the tensors
-            skeleton = AutoModelForCausalLM.from_config(config)
-        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-        hf_names = get_gguf_hf_weights_map(skeleton, processor)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf_names = _hf_names(config, architecture)
+        # the class AutoTokenizer picks for this config when no tokenizer class is declared
+        tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+        tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
     except LIBRARY_ERRORS as exc:
         raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
     tensors = {
-        t.name: {
-            "type": int(t.tensor_type),
-            "dims": [int(d) for d in reversed(t.shape)],
-            "at": [int(t.data_offset), int(t.n_bytes)],
-            "hf": hf_names.get(t.name),
-        }
-        for t in reader.tensors
+        t.name: {"type": t.qtype, "dims": list(t.dims), "at": [t.offset, t.nbytes]}
+        | {"hf": hf_names.get(t.name)}
+        for t in header.tensors.values()
     }
     (out / INDEX).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
+def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
+    """The transformers config of GGUF file `path` (its `header`): what transformers' GGUF loader
+    (`load_gguf_checkpoint`) makes of its metadata, for the architectures delspec runs, built
+    from the same mapping tables without that loader's slow reader."""
+    architecture = header.architecture
+    name = str(header.metadata.get("general.name", ""))
+    renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
+    values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}))
+    values["tie_word_embeddings"] = "output.weight" not in header.tensors
+    for key, value in header.metadata.items():
+        prefix, _, rest = key.replace(architecture, renamed).partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target is None or target == -1:
+            continue
+        if isinstance(value, np.ndarray | list):
+            value = value.tolist() if isinstance(value, np.ndarray) else value
+            value = value[0] if len(value) == 1 else value
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, renamed)
+        values[target] = value
+    if values.get("model_type") == "gemma3":  # the file holds the text model alone
+        values["model_type"] = "gemma3_text"
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in values and tokens is not None:
+        values["vocab_size"] = len(tokens)
+    if renamed not in GGUF_CONFIG_MAPPING or values.get("model_type") not in FAMILIES:
+        raise ModelFormatError(f"unsupported architecture {architecture!r} in {path}")
+    try:
+        return AutoConfig.for_model(**values)
+    except LIBRARY_ERRORS as exc:
+        raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
+
+
+def _hf_names(config: PretrainedConfig, architecture: str) -> dict[str, str]:
+    """GGUF tensor name: the name transformers gives it (with prefix), for the tensors that
+    transformers' model of `config` has (`get_gguf_hf_weights_map` over the whole model, with
+    one name table instead of one per submodule)."""
+    with torch.device("meta"):  # only its parameter names are used
+        skeleton = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
+    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for parameter in skeleton.state_dict():
+        hf_name = processor.preprocess_name(parameter)
+        base, dot, suffix = hf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = hf_name, "", ""
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+    return names
+
+
 def _carry_rope_scaling(
-    path: Path, reader: gguf.GGUFReader, architecture: str, head_dim: int, config: Any
+    path: Path, header: GGUFHeader, architecture: str, head_dim: int, config: Any
 ) -> None:
-    """Put GGUF file `path`'s RoPE scaling (read from `reader`) into transformers `config`,
+    """Put GGUF file `path`'s RoPE scaling (read from its `header`) into transformers `config`,
     whose GGUF reader drops it.
 
     llama.cpp writes linear scaling as `{arch}.rope.scaling.type`/`.factor`, and Llama 3
     scaling as a `rope_freqs` tensor of per-frequency divisors; the `llama3` parameters that
     give those divisors are fitted back from them. Scaling applies to global-attention layers.
     """
-    kind_field = reader.fields.get(f"{architecture}.rope.scaling.type")
-    kind = str(kind_field.contents()) if kind_field is not None else "none"
-    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    kind = str(header.metadata.get(f"{architecture}.rope.scaling.type", "none"))
+    factors = header.tensors.get("rope_freqs.weight")
     params = copy.deepcopy(config.rope_parameters)
     target = params.get("full_attention", params)  # Gemma 3: per attention type
     if factors is not None:
-        divisors = torch.from_numpy(factors.data.copy()).float().flatten()
-        scaling = _llama3_scaling(divisors, head_dim, target["rope_theta"])
+        count = factors.nbytes // 4
+        values = np.fromfile(path, dtype=np.float32, count=count, offset=factors.offset)
+        scaling = _llama3_scaling(torch.from_numpy(values), head_dim, target["rope_theta"])
         if scaling is None:
             raise ModelFormatError(
                 f"{path}: its RoPE frequency factors (rope_freqs) are not Llama 3 scaling"
             )
         target.update(scaling)
     elif kind == "linear":
-        factor = reader.fields[f"{architecture}.rope.scaling.factor"].contents()
+        factor = header.metadata[f"{architecture}.rope.scaling.factor"]
         target.update(rope_type="linear", factor=float(factor))
     elif kind == "none":
         return
@@ -214,22 +257,19 @@ def _llama3_scaling(factors: Tensor, head_dim: int, theta: float) -> dict[str, A
 
 def block_count(path: Path) -> int:
     """The number of layers GGUF file `path` declares (its header alone)."""
-    reader, architecture = _check_gguf(path)
-    return int(reader.fields[f"{architecture}.block_count"].contents())
+    header = _check_gguf(path)
+    return int(header.metadata[f"{header.architecture}.block_count"])
 
 
-def _check_gguf(path: Path) -> tuple[gguf.GGUFReader, str]:
-    """The file, open, and its architecture, after checking that it is whole and of supported
-    tensor types."""
-    try:
-        reader = gguf.GGUFReader(path)
-        architecture = str(reader.fields["general.architecture"].contents())
-    except LIBRARY_ERRORS as exc:
-        raise ModelFormatError(
-            f"{path} is not a valid GGUF file (corrupt or truncated): {exc}"
-        ) from exc
+def _check_gguf(path: Path) -> GGUFHeader:
+    """The file's header, after checking that the file is whole and of supported tensor types."""
+    header = read_header(path)
     unsupported = sorted(
-        {t.tensor_type.name for t in reader.tensors if t.tensor_type not in SUPPORTED_GGML_TYPES}
+        {
+            _type_name(t.qtype)
+            for t in header.tensors.values()
+            if t.qtype not in SUPPORTED_GGML_TYPES
+        }
     )
     if unsupported:
         names = ", ".join(sorted(t.name for t in SUPPORTED_GGML_TYPES))
@@ -237,4 +277,12 @@ def _check_gguf(path: Path) -> tuple[gguf.GGUFReader, str]:
             f"{path} uses unsupported quantisation type(s) {', '.join(unsupported)}; "
             f"supported: {names}"
         )
-    return reader, architecture
+    return header
+
+
+def _type_name(qtype: int) -> str:
+    """The name of ggml tensor type `qtype`, or its number if `gguf` does not know it."""
+    try:
+        return _T(qtype).name
+    except ValueError:
+        return f"type {qtype}"

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from delspec.architectures import config_from_hf, token_ids
 from delspec.checkpoint import build_model
@@ -210,7 +211,7 @@ def _load(
     `source` (GGUF file or Hugging Face directory `path`), in weight format `weights`."""
     config = config_from_hf(_read_json(directory / "config.json"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = _tokenizer(directory, isinstance(source, GGUFFile))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
     if weights == "native":
@@ -229,6 +230,18 @@ def _load(
     generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
     eos = [*config.eos_token_ids, *token_ids(generation_eos), *token_ids(tokenizer.eos_token_id)]
     return LoadedModel(model, tokenizer, name, str(path), tuple(dict.fromkeys(eos)))
+
+
+def _tokenizer(directory: Path, cache_entry: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `directory`: in a GGUF file's cache entry, by the class saved with
+    it (AutoTokenizer would first import the model's transformers modules for its config)."""
+    if not cache_entry:
+        return AutoTokenizer.from_pretrained(directory)
+    name = _read_json(directory / "tokenizer_config.json").get("tokenizer_class")
+    tokenizer_class = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    if tokenizer_class is None:
+        raise ModelFormatError(f"{directory} names no known tokenizer class ({name!r})")
+    return tokenizer_class.from_pretrained(directory)
 
 
 def _safetensors_files(directory: Path) -> list[Path]:

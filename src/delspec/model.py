@@ -41,7 +41,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        # left uninitialised (build_model loads or initialises it): nn.Embedding's own random
+        # init, on the meta device build_model makes it on, imports torch._dynamo (1-2 s)
+        shape = (config.vocab_size, config.hidden_size)
+        self.embedding = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             Block(config, config.sliding_window if config.is_sliding(i) else None)
             for i in range(config.num_layers)

@@ -9,6 +9,7 @@ have no block kernel stays in float (said once).
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -82,13 +83,19 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
         if not all(kind in KERNEL_TYPES for kind in kinds):
             floats.update(kind.name for kind in kinds if kind not in KERNEL_TYPES)
             continue
-        parts = []
-        for name, kind in zip(names, kinds, strict=True):
+        rows = []
+        for name in names:
             raw, info = file.raw(name), file.tensors[name]
             part = name.split(".")[-2]
-            if permute and part in heads:
-                raw = raw[_rope_order(info.rows, heads[part])]
-            parts.append(BlockWeight.from_blocks(kind, torch.from_numpy(raw), info.dims[-1]))
+            rows.append(
+                raw[_rope_order(info.rows, heads[part])] if permute and part in heads else raw
+            )
+        cols, parts = file.tensors[names[0]].dims[-1], []
+        # consecutive tensors of one type are repacked as one (cheaper than merging tiles)
+        for kind, run in itertools.groupby(zip(kinds, rows, strict=True), key=lambda r: r[0]):
+            data = [raw for _, raw in run]
+            data = data[0] if len(data) == 1 else np.concatenate(data)
+            parts.append(BlockWeight.from_blocks(kind, torch.from_numpy(data), cols))
         blocks[module] = BlockWeight.stack(parts)
     if floats:
         print(

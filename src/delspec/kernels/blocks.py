@@ -96,8 +96,9 @@ class BlockWeight:
         rows = data.shape[0]
         tiles = torch.empty(tile_bytes(qtype, rows, cols), dtype=torch.uint8)
         status = _library().dl_pack(
-            int(qtype), data.data_ptr(), data.stride(0), rows, cols, tiles.data_ptr()
-        )
+            int(qtype), data.data_ptr(), data.stride(0), rows, cols, tiles.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         _check(status, qtype)
         return cls([Part(qtype, tiles, rows)], cols)
 

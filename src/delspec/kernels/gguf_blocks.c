@@ -172,7 +172,7 @@ static float f16_at(const uint8_t *p) {
 }
 
 /* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes. */
-static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
         *mn = s[j + 4] & 63;
@@ -183,14 +183,14 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 }
 
 /* Q3_K: the signed 6-bit scale of sub-block j (0..15) from the 12 packed bytes. */
-static int q3_scale(const uint8_t *s, int j) {
+static inline __attribute__((always_inline)) int q3_scale(const uint8_t *s, int j) {
     int low = j < 8 ? s[j] & 0x0f : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
     return (low | high << 4) - 32;
 }
 
 /* The 32 values of group g of a GGUF block (unsigned; Q8_0's as their signed bytes; F16's and
  * BF16's as their bits). */
-static void gguf_values(int type, const uint8_t *b, int g, uint16_t *q) {
+static inline __attribute__((always_inline)) void gguf_values(int type, const uint8_t *b, int g, uint16_t *q) {
     switch (type) {
     case F16:
     case BF16: memcpy(q, b, 64); return;
@@ -269,7 +269,7 @@ static unsigned tile_value(const Layout *L, const uint8_t *area, int l, int col)
     return q;
 }
 
-static void set_tile_value(const Layout *L, uint8_t *area, int l, int col, unsigned q) {
+static inline __attribute__((always_inline)) void set_tile_value(const Layout *L, uint8_t *area, int l, int col, unsigned q) {
     if (L->low == 16) {
         uint16_t h = (uint16_t)q;
         memcpy(area + 16 * col + 2 * l, &h, 2);
@@ -287,7 +287,7 @@ static void set_tile_value(const Layout *L, uint8_t *area, int l, int col, unsig
 }
 
 /* Row l's fields of a tile block from a GGUF block (the tile block's fields start zeroed). */
-static void put_fields(int type, const uint8_t *b, uint8_t *t, int l) {
+static inline __attribute__((always_inline)) void put_fields(int type, const uint8_t *b, uint8_t *t, int l) {
     switch (type) {
     case Q4_1:
     case Q5_1: memcpy(t + 16 + 2 * l, b + 2, 2); /* fall through: the scale */
@@ -785,26 +785,67 @@ int64_t dl_tile_bytes(int type, int64_t N, int64_t K) {
     return (N + TILE - 1) / TILE * (K / L.values) * L.tile_bytes;
 }
 
-/* Repack N GGUF rows (row_stride bytes apart) of K values into tiles (dl_tile_bytes bytes). */
-int dl_pack(int type, const uint8_t *rows, int64_t row_stride, int64_t N, int64_t K,
-            uint8_t *tiles) {
-    int64_t total = dl_tile_bytes(type, N, K);
-    if (!total) return -1;
+/* Row l's bits [shift, shift + w) of the 32 values q of a group, written whole bytes at a time
+ * into an area of width w (see area_byte: value 4v + i of row l is in byte 32 (v / (8 / w)) +
+ * 4 l + i at bit w (v % (8 / w))). */
+static inline __attribute__((always_inline)) void put_area_row(uint8_t *area, int w, int l,
+                                                               const uint16_t *q, int shift) {
+    int per = 8 / w;
+    unsigned mask = (1u << w) - 1;
+    for (int vb = 0; vb < w; ++vb)
+        for (int i = 0; i < 4; ++i) {
+            unsigned byte = 0;
+            for (int k = 0; k < per; ++k) byte |= ((q[4 * (vb * per + k) + i] >> shift) & mask) << (w * k);
+            area[32 * vb + 4 * l + i] = (uint8_t)byte;
+        }
+}
+
+/* Tile row tn (rows 8 tn.. of N) of GGUF rows repacked: inlined with `type` a constant, so
+ * that the per-value layout arithmetic folds away. */
+static inline __attribute__((always_inline)) void pack_tile_row(int type, const uint8_t *rows,
+                                                                int64_t row_stride, int64_t N,
+                                                                int64_t K, uint8_t *tiles,
+                                                                int64_t tn) {
     Layout L;
     layout_of(type, &L);
-    memset(tiles, 0, (size_t)total);
     int64_t blocks = K / L.values, per = L.values / GROUP;
+    uint8_t *out = tiles + tn * blocks * L.tile_bytes;
+    memset(out, 0, (size_t)(blocks * L.tile_bytes));
     uint16_t q[GROUP];
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = tn * TILE; n < N && n < (tn + 1) * TILE; ++n) {
         int l = (int)(n % TILE);
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t *src = rows + n * row_stride + b * L.gguf_bytes;
-            uint8_t *t = tiles + ((n / TILE) * blocks + b) * L.tile_bytes;
+            uint8_t *t = out + b * L.tile_bytes;
             put_fields(type, src, t, l);
             for (int g = 0; g < per; ++g) {
+                uint8_t *area = t + L.head + g * L.group_bytes;
                 gguf_values(type, src, g, q);
-                for (int i = 0; i < GROUP; ++i) set_tile_value(&L, t + L.head + g * L.group_bytes, l, i, q[i]);
+                if (L.low == 16) {
+                    for (int i = 0; i < GROUP; ++i) set_tile_value(&L, area, l, i, q[i]);
+                    continue;
+                }
+                put_area_row(area, L.low, l, q, 0);
+                if (L.high) put_area_row(area + 32 * L.low, L.high, l, q, L.low);
             }
+        }
+    }
+}
+
+/* Repack N GGUF rows (row_stride bytes apart) of K values into tiles (dl_tile_bytes bytes),
+ * on `threads` threads. */
+int dl_pack(int type, const uint8_t *rows, int64_t row_stride, int64_t N, int64_t K,
+            uint8_t *tiles, int threads) {
+    if (!dl_tile_bytes(type, N, K)) return -1;
+    int64_t tile_rows = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tile_rows >= 16)
+    for (int64_t tn = 0; tn < tile_rows; ++tn) {
+        switch (type) {
+#define PACK(T) \
+    case T: pack_tile_row(T, rows, row_stride, N, K, tiles, tn); break;
+            PACK(F16) PACK(BF16) PACK(Q4_0) PACK(Q4_1) PACK(Q5_0) PACK(Q5_1) PACK(Q8_0)
+            PACK(Q2_K) PACK(Q3_K) PACK(Q4_K) PACK(Q5_K) PACK(Q6_K)
+#undef PACK
         }
     }
     return 0;
