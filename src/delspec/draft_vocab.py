@@ -11,12 +11,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from torch import Tensor
 
-from delspec.errors import ConfigError, ModelFormatError
+from delspec.errors import ConfigError
+from delspec.gguf_header import read_header
 
 
 def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
@@ -38,13 +38,10 @@ def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
 def _gguf_scores(path: Path) -> np.ndarray | None:
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return None
-    try:
-        field_ = gguf.GGUFReader(path).fields.get("tokenizer.ggml.scores")
-    except (OSError, ValueError) as exc:
-        raise ModelFormatError(f"cannot read the tokenizer scores of {path}: {exc}") from exc
-    if field_ is None:
+    scores = read_header(path).metadata.get("tokenizer.ggml.scores")
+    if scores is None:
         return None
-    scores = np.array([field_.parts[i][0] for i in field_.data], dtype=np.float64)
+    scores = np.asarray(scores, dtype=np.float64)
     return None if np.unique(scores).size < 2 else scores
 
 
