@@ -103,8 +103,9 @@ class FastDynamicExit(DynamicExit):
       warm-up from nothing: no prompt positions are scored, and round 0 already drafts where
       that pays. The statistics start at `CARRIED_WEIGHT` of their weight (the same rates, less
       evidence) and decay as the new sequence adds its own, so a prompt unlike the last one
-      takes over within a few rounds. A short reply then pays no warm-up, and a
-      profile corrected once stays corrected for the process.
+      takes over within a few rounds. Statistics too thin to stand in for a warm-up (no
+      layer's evidence still covers `min_evidence` positions) are not carried. A short reply
+      then pays no warm-up, and a profile corrected once stays corrected for the process.
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -144,7 +145,7 @@ class FastDynamicExit(DynamicExit):
         self.context_score = _ContextScore(self.omega, self.prior)
         self.realized = _Realized()
         self.collect_hidden = True
-        if learned is not None and learned.stats.matched.shape == self.stats.matched.shape:
+        if learned is not None and self._worth_carrying(learned.stats):
             self.stats = learned.stats.copy(CARRIED_WEIGHT)
             self.context_score.learned(learned.context.copy(CARRIED_WEIGHT))
             self.realized = copy.deepcopy(learned.realized)
@@ -155,6 +156,14 @@ class FastDynamicExit(DynamicExit):
         self.learned = _Learned(self.stats, self.context_score.stats, self.realized, self.cost)
         self.learned.row_cost = self.row_cost
         memory[key] = self.learned
+
+    def _worth_carrying(self, learned: ExitStatistics) -> bool:
+        """Whether a previous generation's statistics can stand in for a warm-up: some layer's
+        evidence, at `CARRIED_WEIGHT`, still covers `min_evidence` positions (one at least)."""
+        if learned.matched.shape != self.stats.matched.shape:
+            return False
+        evidence = float((learned.matched + learned.mismatched).max()) * CARRIED_WEIGHT
+        return evidence >= max(self.min_evidence, 1.0)
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
