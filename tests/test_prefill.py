@@ -3,6 +3,8 @@ the same tokens as one pass, whatever shares the chunks; the row budget shared o
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -10,7 +12,13 @@ from tiny_models import tiny_model
 from delspec.decoding import Decoding, decode_tokens, start_together, step_together
 from delspec.model import Transformer
 from delspec.policies import make_policy
-from delspec.prefill import ATTENTION_SPAN, Prefill, chunk_rows, fair_shares, prefill_chunk
+from delspec.prefill import (
+    Prefill,
+    chunk_rows,
+    fair_shares,
+    measured_attention_span,
+    prefill_chunk,
+)
 
 LONG = [(7 * i + 3) % 60 + 2 for i in range(150)]
 SHORT = [5, 9, 14, 2, 7, 30]
@@ -49,7 +57,7 @@ def test_chunked_prefill_caches_the_bits_of_one_pass(compiled: bool) -> None:
     prefills = [Prefill(chunked), Prefill(short)]
     chunks = 0
     while not all(p.finished for p in prefills):
-        prefill_chunk(prefills, 16)
+        prefill_chunk(prefills, 16, span=64.0)
         chunks += 1
     assert chunks > -(-(len(LONG) - 1 + len(SHORT) - 1) // 16)  # fewer rows further on
     rows = len(LONG) - 1
@@ -85,10 +93,22 @@ def test_chunks_take_fewer_rows_further_on_in_a_prompt() -> None:
     with torch.inference_mode():
         model.setup_cache(256, 2)
     long, short = Prefill(decoding(model, LONG, 0)), Prefill(decoding(model, SHORT, 1))
-    assert chunk_rows([long, short], 128) == 128
-    long.done_rows = ATTENTION_SPAN // 10
-    assert chunk_rows([long, short], 128) == int(128 / 1.1)
+    span = 640.0
+    assert chunk_rows([long, short], 128, span) == 128
+    long.done_rows = 64
+    assert chunk_rows([long, short], 128, span) == int(128 / 1.1)
+    assert chunk_rows([long, short], 128) == 128  # rows that cost no more further on
     short.done_rows, long.done_rows = len(SHORT) - 1, 0  # a finished prompt does not count
-    assert chunk_rows([long, short], 128) == 128
-    long.done_rows = 10 * ATTENTION_SPAN
-    assert chunk_rows([long], 5) == 1  # at least one
+    assert chunk_rows([long, short], 128, span) == 128
+    long.done_rows = 6400
+    assert chunk_rows([long], 5, span) == 1  # at least one
+
+
+def test_the_attention_span_is_measured() -> None:
+    """A row far into a prompt costs more than one at its start (attention over the cache):
+    the span at which it costs twice as much is finite and positive, and an unmeasurable one
+    (no room in the context) is infinite."""
+    model = tiny_model(seed=5)
+    span = measured_attention_span(model, rows=8, far=256)
+    assert span > 0
+    assert measured_attention_span(model, rows=8, far=0) == math.inf

@@ -4,8 +4,8 @@ budget of rows at a time, so that other work (a running batch's steps) can go be
 A `Prefill` is one decoding's prompt on its way into its cache slot; `prefill_chunk` runs the
 next rows of several at once, the budget shared out fairly (`fair_shares`). The budget is in
 rows at the start of a prompt: a row further on attends to more cached positions and costs
-more, so a chunk there takes fewer rows (`chunk_rows`), and every chunk takes about the same
-time. A compiled layer
+more, so a chunk there takes fewer rows (`chunk_rows`, by the attention span measured on the
+machine), and every chunk takes about the same time. A compiled layer
 computes each row's bits alone (whatever rows run with it, whichever earlier positions are
 cached already), so a prompt prefilled in chunks leaves the very cache entries one pass would,
 and the sequence then decodes exactly as after one pass.
@@ -13,22 +13,38 @@ and the sequence then decodes exactly as after one pass.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from delspec.timing import synchronize
+from delspec.timing import fastest_seconds, synchronize
 
 if TYPE_CHECKING:
     from delspec.decoding import Decoding
+    from delspec.model import Transformer
 
 
-# A prompt row at this position costs about twice one at position 0 (its attention over the
-# cached positions; measured with SmolLM2 on a 2-core Xeon: 0.8 ms a row at 0, 2.4 at 1400,
-# 4.3 at 2800), so a chunk there takes a third of the rows.
-ATTENTION_SPAN = 640
+def measured_attention_span(
+    model: Transformer, rows: int = 32, far: int = 1024, rounds: int = 3
+) -> float:
+    """The position at which a prompt row costs twice one at position 0 (its attention reads
+    every cached position before it), on this machine: `rows` rows through every layer at
+    position 0 and at `far`, the fastest of `rounds` runs each. `math.inf` where a row far on
+    costs no more (or the context is too short to tell)."""
+    far = min(far, model.config.max_position - rows)
+    if far <= 0:
+        return math.inf
+    with model.scratch_cache(far + rows), torch.inference_mode():
+        states = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
+        runs = {
+            at: lambda at=at: model.run_layers(states, at, 0, model.num_layers) for at in (0, far)
+        }
+        seconds = fastest_seconds(runs, rounds, model.device)
+    extra = seconds[far] - seconds[0]
+    return far * seconds[0] / extra if extra > 0 else math.inf
 
 
 class Prefill:
@@ -77,20 +93,23 @@ def fair_shares(remaining: Sequence[int], budget: int | None) -> list[int]:
     return shares
 
 
-def chunk_rows(prefills: Sequence[Prefill], budget: int) -> int:
+def chunk_rows(prefills: Sequence[Prefill], budget: int, span: float = math.inf) -> int:
     """The rows a chunk of `prefills` may take for a `budget` of rows at position 0: fewer the
-    further on the furthest unfinished prompt is (`ATTENTION_SPAN`), at least one."""
+    further on the furthest unfinished prompt is (a row at position `span` costs twice one at
+    0: `measured_attention_span`), at least one."""
     furthest = max((p.done_rows for p in prefills if not p.finished), default=0)
-    return max(1, int(budget / (1 + furthest / ATTENTION_SPAN)))
+    return max(1, int(budget / (1 + furthest / span)))
 
 
 @torch.inference_mode()
-def prefill_chunk(prefills: Sequence[Prefill], budget: int | None = None) -> None:
+def prefill_chunk(
+    prefills: Sequence[Prefill], budget: int | None = None, span: float = math.inf
+) -> None:
     """Run the next rows of `prefills` (on distinct cache slots of one model) through every
-    layer in one batched pass: the rows `budget` allows (`chunk_rows`; None: every remaining
-    row), shared by `fair_shares`. Each decoding's `prefill_s` gets its rows' share of the
-    time."""
-    rows = None if budget is None else chunk_rows(prefills, budget)
+    layer in one batched pass: the rows `budget` allows (`chunk_rows` with attention span
+    `span`; None: every remaining row), shared by `fair_shares`. Each decoding's `prefill_s`
+    gets its rows' share of the time."""
+    rows = None if budget is None else chunk_rows(prefills, budget, span)
     shares = fair_shares([p.remaining for p in prefills], rows)
     if not any(shares):
         return

@@ -19,6 +19,7 @@ from delspec.decoding import measured_max_batch
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError, is_integer
 from delspec.policies import make_policy
+from delspec.prefill import measured_attention_span
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
     APIError,
@@ -84,7 +85,8 @@ def create_app(
     names = tuple(dict.fromkeys([model_name or lm.name, *aliases]))
     metrics = Metrics(lm.model.num_layers)
     chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
-    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk)
+    span = measured_attention_span(lm.model)
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -102,9 +103,11 @@ class Worker:
         max_batch: int,
         context: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        attention_span: float = math.inf,
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.max_batch, self.context, self.prefill_chunk = max_batch, context, prefill_chunk
+        self.attention_span = attention_span  # see `delspec.prefill.chunk_rows`
         self._joining: list[_Running] = []  # in their slots, prompts being prefilled
         self._running: list[_Running] = []  # generating
         self._waiting: deque[Job] = deque()
@@ -195,7 +198,7 @@ class Worker:
         generating (in this loop's step)."""
         joining = self._joining
         try:
-            prefill_chunk([r.prefill for r in joining], self.prefill_chunk)
+            prefill_chunk([r.prefill for r in joining], self.prefill_chunk, self.attention_span)
         except Exception as exc:  # every job in the chunk gets the error
             for entry in joining:
                 self._fail(entry.job, exc)
