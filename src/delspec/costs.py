@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -199,7 +200,8 @@ def measure_profile(
     repeats: int = 3,
 ) -> CostProfile:
     """Time the primitives a round is made of, for 1..max_tokens new tokens, after `context`
-    positions and (for the layers' slopes) after `far`; drafts through `exit_head` as exit layer
+    positions and (for the layers' slopes: at 1, half and all of max_tokens rows, in between
+    by interpolation) after `far`; drafts through `exit_head` as exit layer
     `exit_layer`. Each primitive's fastest of `repeats` rounds in which they all take turns,
     taken again until two takes agree (`settled_seconds`)."""
     model = exit_head.model
@@ -215,18 +217,21 @@ def measure_profile(
         one = states[:1]
 
         runs: dict[object, Callable[[], object]] = {}
-        for at in dict.fromkeys((context, far)):
-            for k in range(1, max_tokens + 1):
+        every = range(1, max_tokens + 1)
+        sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
+        for at, counts in ((context, every), (far, sampled)):
+            for k in counts:
                 h = states[:k]
                 runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
             runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
-        for k in range(1, max_tokens + 1):
+        for k in every:
             runs["head", k] = lambda h=states[:k]: model.head(h)
         seconds, settled = settled_seconds(runs, repeats, model.device)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     span = max(far - context, 1)
-    near = [seconds["layer", context, k] / layers for k in range(1, max_tokens + 1)]
-    deep = [seconds["layer", far, k] / layers for k in range(1, max_tokens + 1)]
+    near = [seconds["layer", context, k] / layers for k in every]
+    measured = [seconds["layer", far, k] / layers - near[k - 1] for k in sampled]
+    deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
     drafted = seconds["drafted", context] / layers
     return CostProfile(
         layer=near,
