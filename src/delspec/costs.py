@@ -121,6 +121,8 @@ class MeasuredCost:
         self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
         self.position = profile.context
         self._layer, self._draft_layer = profile.layers_at(self.position)
+        # per grid asked for: its seconds at the profile's context and per position further on
+        self._grids: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -131,6 +133,7 @@ class MeasuredCost:
     def rescaled(self) -> None:
         """The profile's timings changed in place (`CostProfile.scale`): predict from them."""
         self._layer, self._draft_layer = self.profile.layers_at(self.position)
+        self._grids.clear()
 
     def grid(
         self,
@@ -141,28 +144,55 @@ class MeasuredCost:
     ) -> Tensor:
         """`[rows, draft lengths]` seconds of one round drafting `context` context tokens, then
         d (the draft length) from layer `exit_layers[i]` with vocabulary level `levels[i]`
-        (default 0) in row i."""
-        p = self.profile
+        (default 0) in row i. A round's seconds grow linearly with its position, so each grid
+        is worked out once (at the profile's context, and per position beyond) and then only
+        moved to the position (a policy asks for the same grid every round)."""
         levels = torch.zeros_like(exit_layers) if levels is None else levels
-        layer = torch.tensor(self._layer, dtype=torch.float64)
-        head = torch.tensor(p.head, dtype=torch.float64)
-        k = (draft_lengths + context + 1).clamp(max=len(p.layer)) - 1  # index of rows verified
-        e = exit_layers[:, None].double()
-        d = draft_lengths[None, :].double()
-        head_s = torch.tensor(p.draft_head, dtype=torch.float64)[levels][:, None]
-        drafted = self._draft_layer
+        key = (tuple(exit_layers.tolist()), tuple(draft_lengths.tolist()), tuple(levels.tolist()))
+        parts = self._grids.get((*key, context))
+        if parts is None:
+            p = self.profile
+            base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key, context)
+            slopes = p.layer_slope or [0.0] * len(p.layer)
+            nothing = [0.0] * len(p.head)
+            per_position = self._seconds(
+                slopes, p.draft_layer_slope, nothing, [0.0] * len(p.draft_head), *key, context
+            )
+            parts = self._grids[(*key, context)] = (base, per_position)
+        base, per_position = parts
+        return base + max(self.position - self.profile.context, 0) * per_position + self.overhead
+
+    def _seconds(
+        self,
+        layer_s: list[float],
+        drafted: float,
+        head_s: list[float],
+        draft_head_s: list[float],
+        exit_layers: tuple[int, ...],
+        draft_lengths: tuple[int, ...],
+        levels: tuple[int, ...],
+        context: int,
+    ) -> Tensor:
+        """`grid` without the overhead, from the given timings (which it is linear in)."""
+        layer = torch.tensor(layer_s, dtype=torch.float64)
+        head = torch.tensor(head_s, dtype=torch.float64)
+        lengths = torch.tensor(draft_lengths)
+        k = (lengths + context + 1).clamp(max=len(layer_s)) - 1  # index of rows verified
+        e = torch.tensor(exit_layers, dtype=torch.float64)[:, None]
+        d = lengths[None, :].double()
+        head_d = torch.tensor(draft_head_s, dtype=torch.float64)[list(levels)][:, None]
         if context:  # one pass over the input and the context tokens, then d - 1 tokens
-            first = layer[min(context, len(p.layer) - 1)]
-            draft = torch.where(d > 0, e * first + (d - 1) * e * drafted + d * head_s, 0.0)
+            first = layer[min(context, len(layer_s) - 1)]
+            draft = torch.where(d > 0, e * first + (d - 1) * e * drafted + d * head_d, 0.0)
         else:
-            draft = d * (e * drafted + head_s)
+            draft = d * (e * drafted + head_d)
         every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
-        if p.int8:  # every layer again over every position
+        if self.profile.int8:  # every layer again over every position
             verify = every_layer
         else:
             verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
             verify = torch.where(d > 0, verify, every_layer)  # no layer draft: every layer
-        return draft + verify + self.overhead
+        return draft + verify
 
     def plain_seconds(self, rows: int) -> float:
         """Seconds of a round running `rows` positions through every layer and the full head:
