@@ -543,7 +543,8 @@ def test_hf_dir_int8_load_memory_is_about_the_result(tmp_path, cache):
     load = "import torch; from delspec.loading import load_model; load_model({!r}, weights='int8')"
     baseline = peak_resident(load.format(str(save_hf_dir(tmp_path / "tiny"))))
     extra = peak_resident(load.format(str(directory))) - baseline
-    assert extra < size / 2, (extra, size)  # the result is about size / 3.8
+    # the result is about size / 3.8; holding the checkpoint would take more than size
+    assert extra < 0.6 * size, (extra, size)
 
 
 LLAMA3_ROPE = {  # two frequencies of the tiny model fall between the bands
