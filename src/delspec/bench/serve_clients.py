@@ -22,11 +22,12 @@ CHARS_PER_TOKEN = 3.2  # about, for the task texts (prose and code) in the usual
 class Streamed:
     """A streaming chat request as its client saw it: the HTTP status, the text, the arrival
     time (`time.monotonic()`) of each piece, and an error (HTTP status, an error event, or a
-    transport error) if any."""
+    transport error) if any, and the completion tokens the server counted."""
 
     status: int | None = None
     text: str = ""
     times: list[float] = field(default_factory=list)
+    tokens: int = 0  # completion tokens, as the last chunk's usage reports them
     sent: float = 0.0
     error: str | None = None
     server_error: bool = False  # a 5xx status, or an error event of type server_error
@@ -81,7 +82,10 @@ async def stream_chat(
                     out.error = f"{error.get('type')}: {error.get('code')}"
                     out.server_error = error.get("type") == "server_error"
                     continue
-                piece = chunk["choices"][0]["delta"].get("content")
+                if "usage" in chunk:
+                    out.tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or [{}]
+                piece = choices[0].get("delta", {}).get("content")
                 if piece:
                     out.times.append(time.monotonic())
                     out.text += piece

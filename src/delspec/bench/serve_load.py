@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from delspec.bench.serve_clients import Streamed, chat_body, stream_chat
 from delspec.bench.tasks import TASKS, load_task
 from delspec.decode_config import DecodeConfig
 from delspec.errors import ConfigError
@@ -92,30 +93,14 @@ class Run:
     outcomes: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
-async def _request(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Outcome:
-    outcome, start, first, last = Outcome(), time.perf_counter(), None, None
-    try:
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                outcome.error = f"HTTP {response.status_code}"
-                return outcome
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    outcome.error = chunk["error"].get("code") or "error"
-                elif chunk["choices"][0]["delta"].get("content"):
-                    last = time.perf_counter()
-                    first = first or last
-                if "usage" in chunk:
-                    outcome.tokens = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
-        outcome.error = type(exc).__name__
-    if first is not None:
-        outcome.first_token_s = first - start
-        if outcome.tokens > 1:
-            outcome.per_token_s = (last - first) / (outcome.tokens - 1)
+def _outcome(streamed: Streamed) -> Outcome:
+    """What `measure` keeps of one streamed request: tokens and timings, or its error."""
+    outcome = Outcome(tokens=streamed.tokens, error=streamed.error)
+    if streamed.times:
+        outcome.first_token_s = streamed.first_token_s
+        if streamed.tokens > 1:
+            span = streamed.times[-1] - streamed.times[0]
+            outcome.per_token_s = span / (streamed.tokens - 1)
     return outcome
 
 
@@ -125,7 +110,7 @@ async def _clients(url: str, bodies: list[list[dict[str, Any]]]) -> list[Outcome
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as http:
 
         async def client(own: list[dict[str, Any]]) -> list[Outcome]:
-            return [await _request(http, url, body) for body in own]
+            return [_outcome(await stream_chat(http, url, body)) for body in own]
 
         results = await asyncio.gather(*(client(own) for own in bodies))
     return [outcome for own in results for outcome in own]
@@ -135,18 +120,9 @@ def measure(
     url: str, setup: str, clients: int, prompts: list[str], per_client: int, max_tokens: int
 ) -> Run:
     """`clients` clients with `per_client` prompts each (cycling through `prompts`)."""
+    turns = range(per_client)
     bodies = [
-        [
-            {
-                "messages": [
-                    {"role": "user", "content": prompts[(c * per_client + i) % len(prompts)]}
-                ],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": True,
-            }
-            for i in range(per_client)
-        ]
+        [chat_body(prompts[(c * per_client + i) % len(prompts)], max_tokens) for i in turns]
         for c in range(clients)
     ]
     start = time.perf_counter()
@@ -162,15 +138,16 @@ def measure(
         len(outcomes) - len(good),
         wall,
         sum(o.tokens for o in good) / wall,
-        _quantile(first, 0.5),
-        _quantile(first, 0.95),
-        _quantile(per_token, 0.5) * 1e3,
-        _quantile(per_token, 0.95) * 1e3,
+        quantile(first, 0.5),
+        quantile(first, 0.95),
+        quantile(per_token, 0.5) * 1e3,
+        quantile(per_token, 0.95) * 1e3,
         [asdict(o) for o in outcomes],
     )
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (inclusive percentiles; nan for none)."""
     if not values:
         return float("nan")
     if len(values) == 1:

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from delspec.bench.serve_clients import Streamed, chat_body, long_prompt, stream_chat
-from delspec.bench.serve_load import TIMEOUT, describe, serve_process, task_prompts
+from delspec.bench.serve_load import TIMEOUT, describe, quantile, serve_process, task_prompts
 
 POLL_S = 0.05  # between two /health polls
 SMALL_TOKENS = 16  # the small chats' answers
@@ -129,7 +129,7 @@ async def long_join(
     return LongJoin(
         streams,
         usage,
-        _quantile(before, 0.5) * 1e3,
+        quantile(before, 0.5) * 1e3,
         max(before, default=float("nan")) * 1e3,
         max(during, default=float("nan")),
         joining.first_token_s or float("nan"),
@@ -199,12 +199,12 @@ async def big_bodies(
         body_mb,
         {s: statuses.count(s) for s in sorted(set(statuses))},
         len(latencies),
-        _quantile(latencies, 0.5) * 1e3,
-        _quantile(latencies, 0.99) * 1e3,
+        quantile(latencies, 0.5) * 1e3,
+        quantile(latencies, 0.99) * 1e3,
         max(latencies, default=float("nan")) * 1e3,
         len(chats),
         max(firsts, default=float("nan")),
-        _quantile(firsts, 0.5),
+        quantile(firsts, 0.5),
         sum(c.text != solo for c in chats if c.error is None),
         [c.error for c in chats if c.error],
     )
@@ -270,10 +270,3 @@ def stress_table(results: dict[str, Any]) -> list[str]:
         f"| {b['small_chats']} | {b['small_first_token_p50_s']:.2f} "
         f"| {b['small_first_token_max_s']:.2f} | {b['wrong_answers']} |",
     ]
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
