@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from test_costs import profile
@@ -181,8 +182,8 @@ def _fast_policy(layer_seconds, head_seconds, matched, mismatched, context_hits,
     policy = make_policy("del-fast", 10, candidates=[2, 5, 8], shadow_budget=None, **options)
     policy.cost = MeasuredCost(profile(layer_seconds, head_seconds), 10)
     policy.start(ExitHead(model))
-    policy.stats.matched = torch.tensor(matched, dtype=torch.float64)
-    policy.stats.mismatched = torch.tensor(mismatched, dtype=torch.float64)
+    policy.stats.matched = np.array(matched, dtype=np.float64)
+    policy.stats.mismatched = np.array(mismatched, dtype=np.float64)
     policy._choose()
     score = policy.context_score
     hits, misses = context_hits

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -38,10 +39,10 @@ def test_tpl_choice_and_confidence_threshold_by_hand(strategy):
     policy = make_policy(strategy, 4, omega=1.0)
     policy.start(ExitHead(tiny_model(num_layers=4)))
     stats = policy.stats
-    stats.matched = torch.tensor([1.0, 3.0, 0.0])  # alpha = 0.5, 0.75, 0
-    stats.mismatched = torch.tensor([1.0, 1.0, 4.0])
-    stats.confidence_matched = torch.tensor([0.9, 2.4, 0.0])
-    stats.confidence_mismatched = torch.tensor([0.3, 0.2, 1.0])
+    stats.matched = np.array([1.0, 3.0, 0.0])  # alpha = 0.5, 0.75, 0
+    stats.mismatched = np.array([1.0, 1.0, 4.0])
+    stats.confidence_matched = np.array([0.9, 2.4, 0.0])
+    stats.confidence_mismatched = np.array([0.3, 0.2, 1.0])
     policy._choose()
     # TPL(l, d) = (1 + a + ... + a^d) / (d l + 4): layer 1, d = 1 gives 1.5 / 5 = 0.3; layer 2
     # at most 1.75 / 6 (d = 1); layer 3 (alpha 0) 1 / 4 (d = 0)
@@ -120,12 +121,12 @@ def test_round_zero_uses_the_prompt_window_and_state_resets_per_prompt():
     first = decode_tokens(model, prompt, policy, max_new_tokens=12)
     assert seen[0] == (32, 32 + 2, 1)  # 32 context positions + input + one draft
     assert all(c == 0 for c, _, _ in seen[1:])
-    stats_after_first = policy.stats.matched.clone()
+    stats_after_first = policy.stats.matched.copy()
     seen.clear()
     second = decode_tokens(model, prompt, policy, max_new_tokens=12)
     assert second.token_ids == first.token_ids
     assert seen[0][0] == 32
-    assert torch.equal(policy.stats.matched, stats_after_first)  # nothing carried over
+    assert np.array_equal(policy.stats.matched, stats_after_first)  # nothing carried over
 
 
 @pytest.mark.parametrize("strategy", ["del", "dele"])

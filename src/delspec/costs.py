@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -30,6 +30,9 @@ from delspec.engine import ExitHead, Round
 from delspec.kernels.build import build_key, cpu_name
 from delspec.timing import settled_seconds
 
+Array = np.ndarray
+Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
+
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
 PROFILE_VERSION = 11
@@ -41,13 +44,11 @@ class LayerCost:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
 
-    def grid(
-        self, exit_layers: Tensor, draft_lengths: Tensor, levels: Tensor | None = None
-    ) -> Tensor:
+    def grid(self, exit_layers: Ints, draft_lengths: Ints, levels: Ints | None = None) -> Array:
         """`[exit layers, draft lengths]` cost of one round (d = 0 is a plain step); layer loads
         do not depend on the draft vocabulary `levels`."""
-        d = draft_lengths[None, :].double()
-        return d * exit_layers[:, None].double() + self.num_layers
+        d = np.asarray(draft_lengths, dtype=np.float64)[None, :]
+        return d * np.asarray(exit_layers, dtype=np.float64)[:, None] + self.num_layers
 
 
 @dataclass
@@ -122,7 +123,7 @@ class MeasuredCost:
         self.position = profile.context
         self._layer, self._draft_layer = profile.layers_at(self.position)
         # per grid asked for: its seconds at the profile's context and per position further on
-        self._grids: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._grids: dict[tuple, tuple[Array, Array]] = {}
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -137,18 +138,19 @@ class MeasuredCost:
 
     def grid(
         self,
-        exit_layers: Tensor,
-        draft_lengths: Tensor,
-        levels: Tensor | None = None,
+        exit_layers: Ints,
+        draft_lengths: Ints,
+        levels: Ints | None = None,
         context: int = 0,
-    ) -> Tensor:
+    ) -> Array:
         """`[rows, draft lengths]` seconds of one round drafting `context` context tokens, then
         d (the draft length) from layer `exit_layers[i]` with vocabulary level `levels[i]`
         (default 0) in row i. A round's seconds grow linearly with its position, so each grid
         is worked out once (at the profile's context, and per position beyond) and then only
         moved to the position (a policy asks for the same grid every round)."""
-        levels = torch.zeros_like(exit_layers) if levels is None else levels
-        key = (tuple(exit_layers.tolist()), tuple(draft_lengths.tolist()), tuple(levels.tolist()))
+        exits = tuple(np.asarray(exit_layers).tolist())
+        chosen = (0,) * len(exits) if levels is None else tuple(np.asarray(levels).tolist())
+        key = (exits, tuple(np.asarray(draft_lengths).tolist()), chosen)
         parts = self._grids.get((*key, context))
         if parts is None:
             p = self.profile
@@ -172,18 +174,17 @@ class MeasuredCost:
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
-    ) -> Tensor:
+    ) -> Array:
         """`grid` without the overhead, from the given timings (which it is linear in)."""
-        layer = torch.tensor(layer_s, dtype=torch.float64)
-        head = torch.tensor(head_s, dtype=torch.float64)
-        lengths = torch.tensor(draft_lengths)
-        k = (lengths + context + 1).clamp(max=len(layer_s)) - 1  # index of rows verified
-        e = torch.tensor(exit_layers, dtype=torch.float64)[:, None]
-        d = lengths[None, :].double()
-        head_d = torch.tensor(draft_head_s, dtype=torch.float64)[list(levels)][:, None]
+        layer, head = np.asarray(layer_s), np.asarray(head_s)
+        lengths = np.asarray(draft_lengths)
+        k = np.minimum(lengths + context + 1, len(layer_s)) - 1  # index of rows verified
+        e = np.asarray(exit_layers, dtype=np.float64)[:, None]
+        d = lengths[None, :].astype(np.float64)
+        head_d = np.asarray(draft_head_s)[list(levels)][:, None]
         if context:  # one pass over the input and the context tokens, then d - 1 tokens
             first = layer[min(context, len(layer_s) - 1)]
-            draft = torch.where(d > 0, e * first + (d - 1) * e * drafted + d * head_d, 0.0)
+            draft = np.where(d > 0, e * first + (d - 1) * e * drafted + d * head_d, 0.0)
         else:
             draft = d * (e * drafted + head_d)
         every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
@@ -191,7 +192,7 @@ class MeasuredCost:
             verify = every_layer
         else:
             verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
-            verify = torch.where(d > 0, verify, every_layer)  # no layer draft: every layer
+            verify = np.where(d > 0, verify, every_layer)  # no layer draft: every layer
         return draft + verify
 
     def plain_seconds(self, rows: int) -> float:
@@ -408,10 +409,7 @@ class CostCheck:
             return None
         d = len(record.drafted) - record.from_context
         predicted = self.cost.grid(
-            torch.tensor([record.exit_layer if d else 0]),
-            torch.tensor([d]),
-            torch.tensor([record.level if d else 0]),
-            context=record.from_context,
+            [record.exit_layer if d else 0], [d], [record.level if d else 0], record.from_context
         )
         actual = record.draft_s + record.verify_s
         return self.observe(float(predicted[0, 0]), actual, bool(record.drafted))

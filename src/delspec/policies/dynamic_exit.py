@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,7 +73,7 @@ class DynamicExit(Policy):
         self.may_add_final_layer = options.candidates is None
         self.omega, self.draft_cap = options.omega, options.draft_cap
         self.warmup_window, self.dynamic_draft = options.warmup, options.dynamic_draft
-        self.draft_lengths = torch.arange(options.gamma_min, options.gamma_max)
+        self.draft_lengths = np.arange(options.gamma_min, options.gamma_max)
         # d* caps the draft in DELE; DEL's drafts stop by confidence alone (or at `draft_cap`).
         self.cap_at_optimum = not options.dynamic_draft
         self.cost = LayerCost(num_layers)
@@ -83,7 +84,7 @@ class DynamicExit(Policy):
         self.candidates = self.base_candidates + ([self.num_layers] if final else [])
         self.exit_layer, self.draft_length, self.level = self.candidates[0], 1, 0
         # statistics rows (level, candidate), level-major: each row's exit layer
-        self.exit_layers = torch.tensor(self.candidates).repeat(self.levels)
+        self.exit_layers = np.tile(self.candidates, self.levels)
         self.stats = ExitStatistics(self.levels * len(self.candidates), self.omega)
         self.tau_exit = float(self.stats.threshold()[0])
         self.alpha_trace = [0.0] * len(self.candidates)

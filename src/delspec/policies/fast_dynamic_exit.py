@@ -11,6 +11,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,7 +120,7 @@ class FastDynamicExit(DynamicExit):
         self.options, self.remember = o, o.remember
         # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
         self.cap_at_optimum = measured or not o.dynamic_draft
-        plain = (self.draft_lengths == 0).nonzero()
+        plain = np.flatnonzero(self.draft_lengths == 0)
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
         if o.context_drafts:
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
@@ -135,7 +136,7 @@ class FastDynamicExit(DynamicExit):
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
-        self.row_levels = torch.arange(self.levels).repeat_interleave(len(self.candidates))
+        self.row_levels = np.repeat(np.arange(self.levels), len(self.candidates))
         self.credit = 0.0  # seconds of shadow work the budget allows now
         self.row_cost = 0.0  # measured seconds per scored (layer, position)
         self.final_cost = 0.0  # measured seconds of counting the final layer from a verification
@@ -194,9 +195,9 @@ class FastDynamicExit(DynamicExit):
                 best, value, best_expected = k, tokens_per_s, expected
         choice = Plan(0, 0, context=tuple(tokens[:best]))
         if layer_plan.draft_cap and self.layer_tokens:  # that prefix, then exit-layer drafts
-            all_accepted = first * then ** (best - 1)
-            extra = torch.tensor(self.layer_tokens, dtype=torch.float64) - 1.0
-            row, level = torch.tensor([layer_plan.exit_layer]), torch.tensor([layer_plan.level])
+            all_accepted = first * then ** (best - 1) if best else 1.0
+            extra = np.asarray(self.layer_tokens) - 1.0
+            row, level = [layer_plan.exit_layer], [layer_plan.level]
             seconds = cost.grid(row, self.draft_lengths, level, context=best)[0]
             mixed = (best_expected + all_accepted * extra) / seconds
             mixed[self.draft_lengths == 0] = 0.0
@@ -296,8 +297,8 @@ class FastDynamicExit(DynamicExit):
         tokens, confidence = drafts
         targets = record.targets[record.context :][:valid].cpu()
         match = (tokens == targets[None]) & self.exit_head.covered(targets)
-        rows = self._level_rows(torch.tensor([self._final_row]))
-        everywhere = torch.ones(valid, dtype=torch.bool)
+        rows = self._level_rows([self._final_row])
+        everywhere = np.ones(valid, dtype=bool)
         self.stats.update(match[: self.levels], confidence[: self.levels], everywhere, rows)
 
     def _must_score(self) -> list[int]:
@@ -328,10 +329,10 @@ class FastDynamicExit(DynamicExit):
         rows = self._level_rows(rows)
         self.stats.update(match, shadow.confidence.repeat(self.levels, 1), shadow.valid, rows)
 
-    def _level_rows(self, rows: Tensor) -> Tensor:
+    def _level_rows(self, rows: Tensor | list[int]) -> np.ndarray:
         """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
-        offsets = torch.arange(self.levels)[:, None] * len(self.candidates)
-        return (offsets + rows[None, :]).flatten()
+        offsets = np.arange(self.levels)[:, None] * len(self.candidates)
+        return (offsets + np.asarray(rows)[None, :]).ravel()
 
     def _count_drafts(self, record: Round) -> None:
         """Update the exit layer from the round's drafts: accepted ones, then the first miss;
@@ -341,14 +342,12 @@ class FastDynamicExit(DynamicExit):
             return
         accepted = record.accepted - first
         seen = min(accepted + 1, len(record.drafted) - first)
-        match = torch.arange(seen) < accepted
+        match = np.arange(seen) < accepted
         drafted = torch.tensor(record.drafted[first : first + seen])
-        match = match[None] & self.exit_head.covered(drafted)
-        confidence = torch.tensor(record.confidences[first : first + seen]).repeat(self.levels, 1)
-        rows = self._level_rows(torch.tensor([self.candidates.index(record.exit_layer)]))
-        self.stats.update(
-            match[: self.levels], confidence, torch.ones(seen, dtype=torch.bool), rows
-        )
+        match = match[None] & self.exit_head.covered(drafted).numpy()
+        confidence = np.tile(record.confidences[first : first + seen], (self.levels, 1))
+        rows = self._level_rows([self.candidates.index(record.exit_layer)])
+        self.stats.update(match[: self.levels], confidence, np.ones(seen, dtype=bool), rows)
 
     def _choose(self) -> None:
         """The next (E, d*, vocabulary level) by expected tokens per cost, with the runs,
@@ -370,7 +369,7 @@ class FastDynamicExit(DynamicExit):
             and plain is not None
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
-            row, column = count - 1 - int(torch.argmax(alpha[:count].flip(0))), plain
+            row, column = count - 1 - int(np.argmax(alpha[count - 1 :: -1])), plain
         elif (
             plain is not None
             and column != plain
@@ -505,10 +504,10 @@ class _ContextScore:
             match = [m for outcome in outcomes for m in [*outcome, False]]
             valid = [v for outcome in outcomes for v in [*([True] * len(outcome)), False]]
             self.stats.update(
-                torch.tensor([match]),
-                torch.ones(1, len(match)),
-                torch.tensor(valid),
-                torch.tensor([order - MIN_NGRAM]),
+                np.array([match]),
+                np.ones((1, len(match))),
+                np.array(valid),
+                [order - MIN_NGRAM],
             )
         if by_order:
             self.alpha = self.stats.alpha(self.prior).tolist()
