@@ -231,6 +231,8 @@ class FastDynamicExit(DynamicExit):
                 self.credit -= 0.0 if in_warmup else scoring
         elif record.drafted:
             self._count_drafts(record)
+        # the layers' statistics changed: scored, or drafted from (context drafts count apart)
+        changed = rows is not None or len(record.drafted) > record.from_context
         final = self._final_row
         scored = [] if rows is None else rows.tolist()
         if (
@@ -240,11 +242,11 @@ class FastDynamicExit(DynamicExit):
             and (self.shadow_budget is None or self.credit >= self.final_cost)
         ):
             counting = time.perf_counter()
-            self._count_final_layer(record)
+            changed |= self._count_final_layer(record)
             if self.shadow_budget is not None:
                 self.final_cost = time.perf_counter() - counting
                 self.credit -= self.final_cost
-        if rows is not None or record.drafted or final is not None:
+        if changed:
             self._choose()
         elapsed = time.perf_counter() - start
         if isinstance(self.cost, MeasuredCost) and not in_warmup:
@@ -283,23 +285,25 @@ class FastDynamicExit(DynamicExit):
             self.candidates.index(self.num_layers) if self.num_layers in self.candidates else None
         )
 
-    def _count_final_layer(self, record: Round) -> None:
+    def _count_final_layer(self, record: Round) -> bool:
         """Update the final layer from the round's verification, at no cost: drafts from it
         are the full head restricted to each vocabulary, whose logits the verification has, at
         the positions whose inputs were all accepted (under a shadow budget, the first
-        `FINAL_POSITIONS` of them: over a large head, each costs a pass over its logits)."""
+        `FINAL_POSITIONS` of them: over a large head, each costs a pass over its logits).
+        Returns whether it could (not after int8 drafts or with an adapter there)."""
         valid = record.accepted + 1
         if self.shadow_budget is not None:
             valid = min(valid, FINAL_POSITIONS)
         drafts = self.exit_head.final_layer_drafts(record.logits[:valid])
         if drafts is None:
-            return
+            return False
         tokens, confidence = drafts
         targets = record.targets[record.context :][:valid].cpu()
         match = (tokens == targets[None]) & self.exit_head.covered(targets)
         rows = self._level_rows([self._final_row])
         everywhere = np.ones(valid, dtype=bool)
         self.stats.update(match[: self.levels], confidence[: self.levels], everywhere, rows)
+        return True
 
     def _must_score(self) -> list[int]:
         """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
