@@ -8,6 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from delspec.batch_drafts import BatchDrafts
 from delspec.decoding import (
     Decoding,
     decode_tokens,
@@ -71,6 +72,32 @@ def test_batched_steps_give_each_sequence_its_solo_tokens(compiled):
             finished[d.engine.slot] = d.finish().token_ids
             active.remove(d)
     assert finished == {i: expected[i][: budgets[i]] for i in range(len(PROMPTS))}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["block weights", "float64 eager"])
+def test_context_drafts_in_batched_steps_keep_each_sequences_solo_tokens(compiled):
+    """Sequences that draft from their context verify those drafts in the batched pass (as
+    many as `BatchDrafts` finds paying on a step cost that grows slowly with rows): their
+    tokens are still their solo greedy tokens, and drafts were verified."""
+    model = tiny_model(seed=5, dtype=torch.float32, blocks=True) if compiled else tiny_model(seed=5)
+    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9] * 5, PROMPTS[2]]
+    expected = [solo(model, p, tokens=30).token_ids for p in prompts]
+    slots(model, 80, len(prompts))
+    drafts = BatchDrafts({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.14, 16: 1.3, 32: 1.6})
+    batch = [
+        decoding(model, p, i, tokens=30, strategy=strategy)
+        for i, (p, strategy) in enumerate(zip(prompts, ("lookup", "del-fast", "ar"), strict=True))
+    ]
+    assert batch[2].proposal(drafts.limit) == []  # `ar` does not draft from its context
+    verified = 0
+    while not all(d.done for d in batch):
+        active = [d for d in batch if not d.done]
+        chosen = drafts.choose([d.proposal(drafts.limit) for d in active])
+        committed = step_together(active, chosen)
+        drafts.observe(chosen, [accepted for _, accepted in committed])
+        verified += sum(map(len, chosen))
+    assert [d.finish().token_ids for d in batch] == expected
+    assert verified > 0 and sum(d.totals.stats.context_drafted for d in batch) == verified
 
 
 def test_batched_sampling_draws_what_each_sequence_draws_alone():

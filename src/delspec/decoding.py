@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from delspec.engine import Engine, ExitHead, Round
+from delspec.engine import Engine, ExitHead, Round, through_eos
 from delspec.errors import ConfigError, ContextLengthError, is_integer
 from delspec.model import Transformer
 from delspec.policies import Policy
 from delspec.prefill import Prefill, prefill_chunk
-from delspec.sampling import Sampling, draw
+from delspec.sampling import Sampling
 from delspec.timing import fastest_seconds, synchronize
 
 OnRound = Callable[[list[int], int], bool]
@@ -131,13 +131,26 @@ class Decoding:
         synchronize(self.model.device)
         self.prefill_s = time.perf_counter() - t0
 
+    @property
+    def draft_room(self) -> int:
+        """How many draft tokens the next round may verify: within the budget and the cache."""
+        room = self.capacity - len(self.engine.tokens)
+        return min(self.max_new_tokens - self.generated - 1, room - 1)
+
+    def proposal(self, limit: int) -> list[int]:
+        """Up to `limit` context draft tokens for a batched step (none unless the strategy
+        drafts from the context), through the first end of sequence."""
+        if self.policy.context_ngrams is None:
+            return []
+        tokens = self.engine.propose(min(limit, self.draft_room)).tokens
+        return through_eos(tokens, self.eos)
+
     def advance(self) -> tuple[list[int], int]:
         """One round as the policy plans it: the tokens it committed (up to EOS) and how many of
         them were accepted drafts."""
         t0 = time.perf_counter()
         policy, engine = self.policy, self.engine
-        room = self.capacity - len(engine.tokens)
-        budget = min(self.max_new_tokens - self.generated - 1, room - 1)  # drafts that fit
+        budget = self.draft_room
         plan = policy.plan(engine.propose(min(budget, policy.context_limit)))
         context = list(plan.context[:budget])
         cap = min(plan.draft_cap, budget - len(context))
@@ -152,18 +165,17 @@ class Decoding:
         self.decode_s += time.perf_counter() - t0
         return tokens, min(record.accepted, len(tokens))
 
-    def commit(self, token: int, logits: Tensor, seconds: float) -> list[int]:
-        """Take `token`, chosen from the full model's `logits` after the newest token by a plain
-        step made outside (`step_together`, which took `seconds`); returns it (or nothing)."""
-        engine = self.engine
-        position = len(engine.tokens) - 1
-        engine.commit([token])
-        engine.discard_warmup()
-        record = Round(position, 0, [], [], 0, [token], logits.argmax(-1, keepdim=True))
-        record.verify_s, record.logits = seconds, logits[None]
+    def commit(self, context: list[int], logits: Tensor, seconds: float) -> tuple[list[int], int]:
+        """Settle a round computed outside (`step_together`, which took `seconds`): the full
+        model's `logits` after the newest token and each `context` draft token. Returns the
+        committed tokens (up to EOS) and how many of them were accepted drafts."""
+        record = self.engine.settle(context, logits)
+        self.engine.discard_warmup()
+        record.verify_s = seconds
         self.totals.add(record, 0.0)
         self.decode_s += seconds
-        return self._committed(record)
+        tokens = self._committed(record)
+        return tokens, min(record.accepted, len(tokens))
 
     def _committed(self, record: Round) -> list[int]:
         """The round's tokens up to an EOS (which stops the sequence); traces and log-
@@ -202,27 +214,32 @@ def start_together(decodings: Sequence[Decoding]) -> None:
 
 
 @torch.inference_mode()
-def step_together(decodings: Sequence[Decoding]) -> list[list[int]]:
-    """One plain step for each of `decodings` (on distinct cache slots of one model) in one
-    batched pass: their newest tokens' rows through every layer and the head together. Returns
-    each one's committed tokens (its next token, or none when it stopped)."""
+def step_together(
+    decodings: Sequence[Decoding], drafts: Sequence[list[int]] | None = None
+) -> list[tuple[list[int], int]]:
+    """One round for each of `decodings` (on distinct cache slots of one model) in one batched
+    pass over the weights: each one's newest token's row and, with `drafts`, a row for each of
+    its context draft tokens (`Decoding.proposal`), verified as in a round of its own. Returns
+    each one's committed tokens (none when it stopped) and how many were accepted drafts."""
     model = decodings[0].model
     start = time.perf_counter()
-    engines = [d.engine for d in decodings]
-    positions = [len(e.tokens) - 1 for e in engines]
-    ids = torch.tensor([e.tokens[-1] for e in engines], device=model.device)
-    h = model.run_rows(model.embed(ids), positions, [e.slot for e in engines], 0, model.num_layers)
-    logits = model.head(h)
-    tokens = []
-    for row, engine in zip(logits, engines, strict=True):
-        sampling = engine.sampling
-        if sampling.greedy:
-            tokens.append(int(row.argmax()))
-        else:
-            tokens.append(draw(sampling.probs(row[None])[0], engine.generator))
+    drafts = drafts or [[] for _ in decodings]
+    ids, positions, slots = [], [], []
+    for decoding, draft in zip(decodings, drafts, strict=True):
+        engine = decoding.engine
+        first = len(engine.tokens) - 1
+        ids += [engine.tokens[-1], *draft]
+        positions += range(first, first + 1 + len(draft))
+        slots += [engine.slot] * (1 + len(draft))
+    inputs = model.embed(torch.tensor(ids, device=model.device))
+    logits = model.head(model.run_rows(inputs, positions, slots, 0, model.num_layers))
     synchronize(model.device)
-    seconds = (time.perf_counter() - start) / len(decodings)  # each row's share
-    return [d.commit(t, row, seconds) for d, t, row in zip(decodings, tokens, logits, strict=True)]
+    seconds = (time.perf_counter() - start) / len(decodings)  # each sequence's share
+    done, row = [], 0
+    for decoding, draft in zip(decodings, drafts, strict=True):
+        done.append(decoding.commit(draft, logits[row : row + 1 + len(draft)], seconds))
+        row += 1 + len(draft)
+    return done
 
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -231,19 +248,27 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_GAIN = 1.05
 
 
-def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8) -> int:
-    """How many sequences a batched step should take on this machine (`paying_batch` of each
-    size's step time at `position` tokens of context: the fastest of `rounds` runs, the sizes
-    taking turns so that a busy moment of the machine does not fall on one of them). Without
-    compiled layers, rows are computed one by one: 1."""
+def measured_batch_seconds(
+    model: Transformer, position: int = 128, rounds: int = 8
+) -> dict[int, float]:
+    """Seconds of a batched step of each of `BATCH_SIZES` rows at `position` tokens of context
+    on this machine (the fastest of `rounds` runs, the sizes taking turns so that a busy moment
+    of the machine does not fall on one of them). Empty where rows are not computed together
+    (not a CPU, or no compiled layers: rows one by one)."""
     if model.device.type != "cpu":
-        return 1
+        return {}
     with model.scratch_cache(position + 1, BATCH_SIZES[-1]), torch.inference_mode():
         if model.compiled_layers() is None:
-            return 1
+            return {}
         steps = {size: _batched_step(model, size, position) for size in BATCH_SIZES}
-        seconds = fastest_seconds(steps, rounds)
-    return paying_batch(seconds)
+        return fastest_seconds(steps, rounds)
+
+
+def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8) -> int:
+    """How many sequences a batched step should take on this machine: `paying_batch` of
+    `measured_batch_seconds` (1 where rows are not computed together)."""
+    seconds = measured_batch_seconds(model, position, rounds)
+    return paying_batch(seconds) if seconds else 1
 
 
 def paying_batch(seconds: dict[int, float]) -> int:

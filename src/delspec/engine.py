@@ -251,7 +251,7 @@ class Engine:
         `draft_cap` drafts from layer `exit_layer` with the exit head's vocabulary `level`.
         No draft at all is a plain full step."""
         pos = len(self.tokens) - 1
-        context = _through_eos(context or [], self.eos)
+        context = through_eos(context or [], self.eos)
         if context and context[-1] in self.eos:
             draft_cap = 0  # nothing is drafted past an end of sequence
         if draft_cap < 1 or not 0 < exit_layer <= self.model.num_layers:
@@ -291,6 +291,19 @@ class Engine:
                 record.hidden = torch.cat([context_hidden, hidden], 1)
                 record.targets = torch.cat([context_targets, targets])
                 record.context = context_hidden.shape[1]
+        return record
+
+    def settle(self, context: list[int], logits: Tensor) -> Round:
+        """Verify and commit a round computed outside (a batched step): `logits` are the full
+        head's after the newest token and after each of the `context` draft tokens (which end
+        at an end of sequence, if they hold one). The same acceptance as `round`'s."""
+        position = len(self.tokens) - 1
+        draft = self._context_draft(context)
+        targets, accepted, next_token = self._accept(logits, draft)
+        committed = [*context[:accepted], next_token]
+        self.commit(committed)
+        record = Round(position, 0, context, draft.confidences, accepted, committed, targets)
+        record.from_context, record.logits = len(context), logits
         return record
 
     def _context_draft(self, tokens: list[int]) -> _Draft:
@@ -401,7 +414,7 @@ class Engine:
         return (column if vocab is None else int(vocab[column])), confidence
 
 
-def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+def through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
     """`tokens` up to and including the first end-of-sequence token."""
     end = next((i for i, t in enumerate(tokens) if t in eos), None)
     return tokens if end is None else tokens[: end + 1]

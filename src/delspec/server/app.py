@@ -14,8 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from delspec.batch_drafts import BatchDrafts
 from delspec.decode_config import DecodeConfig
-from delspec.decoding import measured_max_batch
+from delspec.decoding import measured_batch_seconds, paying_batch
 from delspec.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError, is_integer
 from delspec.policies import make_policy
@@ -79,14 +80,17 @@ def create_app(
         max_body_mb,
         prefill_chunk,
     )
+    # a batched step's seconds by row count: what batches and their context drafts cost here
+    batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}
     if max_batch is None:
-        max_batch = measured_max_batch(lm.model)
+        max_batch = paying_batch(batch_seconds) if batch_seconds else 1
         print(f"delspec: generating for up to {max_batch} requests at once", file=sys.stderr)
     names = tuple(dict.fromkeys([model_name or lm.name, *aliases]))
     metrics = Metrics(lm.model.num_layers)
     chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
     span = measured_attention_span(lm.model)
-    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span)
+    drafts = BatchDrafts(batch_seconds)
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager

@@ -6,11 +6,12 @@ rows (fewer further on in the prompt, where rows cost more: `delspec.prefill`), 
 between two steps of the running generations, so that a long prompt does not hold their
 streams up; several joining prompts share a chunk. A generation leaves as soon as it ends or
 its client goes away (the slot is free for the next one). While one generation runs alone it
-takes its own strategy's rounds (drafts and all); while several run, each takes a plain step
-in one batched pass over the weights (`step_together`): on a CPU the weights a step streams
-then serve every sequence, which is the saving speculation would otherwise buy, and a draft of
-k tokens for B sequences would cost a verification of B x k rows. Either way every sequence
-gets exactly its solo tokens (greedy) or its solo distribution.
+takes its own strategy's rounds (drafts and all); while several run, they share one batched
+pass over the weights per step (`step_together`): on a CPU the weights a step streams then
+serve every sequence, which is most of the saving speculation would buy. A sequence whose
+strategy drafts from its context may add rows for its context draft tokens to that pass, as
+many as the measured cost of the batch's rows pays for (`BatchDrafts`). Either way every
+sequence gets exactly its solo tokens (greedy) or its solo distribution.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from delspec.batch_drafts import BatchDrafts
 from delspec.decode_config import DecodeConfig
 from delspec.decoding import step_together
 from delspec.errors import DelspecError
@@ -104,8 +106,10 @@ class Worker:
         context: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         attention_span: float = math.inf,
+        drafts: BatchDrafts | None = None,
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
+        self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
         self.max_batch, self.context, self.prefill_chunk = max_batch, context, prefill_chunk
         self.attention_span = attention_span  # see `delspec.prefill.chunk_rows`
         self._joining: list[_Running] = []  # in their slots, prompts being prefilled
@@ -216,8 +220,11 @@ class Worker:
             if len(running) == 1:
                 pieces = [running[0].text.advance()]
             else:
-                committed = step_together([r.text.decoding for r in running])
-                pieces = [r.text.take(t) for r, t in zip(running, committed, strict=True)]
+                decodings = [r.text.decoding for r in running]
+                drafts = self.drafts.choose([d.proposal(self.drafts.limit) for d in decodings])
+                committed = step_together(decodings, drafts)
+                self.drafts.observe(drafts, [accepted for _, accepted in committed])
+                pieces = [r.text.take(*c) for r, c in zip(running, committed, strict=True)]
         except Exception as exc:  # the whole step failed: every job in it gets the error
             for entry in running:
                 self._fail(entry.job, exc)
