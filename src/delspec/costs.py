@@ -35,7 +35,7 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 11
+PROFILE_VERSION = 12
 
 
 class LayerCost:
@@ -124,6 +124,7 @@ class MeasuredCost:
         self._layer, self._draft_layer = profile.layers_at(self.position)
         # per grid asked for: its seconds at the profile's context and per position further on
         self._grids: dict[tuple, tuple[Array, Array]] = {}
+        self._cells: dict[tuple, tuple[float, float]] = {}  # the same for `round_seconds`
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -135,6 +136,7 @@ class MeasuredCost:
         """The profile's timings changed in place (`CostProfile.scale`): predict from them."""
         self._layer, self._draft_layer = self.profile.layers_at(self.position)
         self._grids.clear()
+        self._cells.clear()
 
     def grid(
         self,
@@ -150,19 +152,34 @@ class MeasuredCost:
         moved to the position (a policy asks for the same grid every round)."""
         exits = tuple(np.asarray(exit_layers).tolist())
         chosen = (0,) * len(exits) if levels is None else tuple(np.asarray(levels).tolist())
-        key = (exits, tuple(np.asarray(draft_lengths).tolist()), chosen)
-        parts = self._grids.get((*key, context))
+        key = (exits, tuple(np.asarray(draft_lengths).tolist()), chosen, context)
+        parts = self._grids.get(key)
         if parts is None:
-            p = self.profile
-            base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key, context)
-            slopes = p.layer_slope or [0.0] * len(p.layer)
-            nothing = [0.0] * len(p.head)
-            per_position = self._seconds(
-                slopes, p.draft_layer_slope, nothing, [0.0] * len(p.draft_head), *key, context
-            )
-            parts = self._grids[(*key, context)] = (base, per_position)
+            parts = self._grids[key] = self._grid_parts(*key)
         base, per_position = parts
         return base + max(self.position - self.profile.context, 0) * per_position + self.overhead
+
+    def _grid_parts(
+        self, exits: Ints, lengths: Ints, levels: Ints, context: int
+    ) -> tuple[Array, Array]:
+        """A grid's seconds at the profile's context, and what each position further adds."""
+        p = self.profile
+        key = (tuple(exits), tuple(lengths), tuple(levels), context)
+        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key)
+        slopes = p.layer_slope or [0.0] * len(p.layer)
+        nothing = [0.0] * len(p.head), [0.0] * len(p.draft_head)
+        return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *key)
+
+    def round_seconds(self, exit_layer: int, drafted: int, level: int, context: int) -> float:
+        """`grid`'s one cell, for a round that ran (kept per cell as a number: a policy asks
+        for each round's, where a grid's work per call would cost a good share of a step)."""
+        key = (exit_layer, drafted, level, context)
+        parts = self._cells.get(key)
+        if parts is None:
+            base, per_position = self._grid_parts([exit_layer], [drafted], [level], context)
+            parts = self._cells[key] = (float(base[0, 0]), float(per_position[0, 0]))
+        extra = max(self.position - self.profile.context, 0)
+        return parts[0] + extra * parts[1] + self.overhead
 
     def _seconds(
         self,
@@ -255,18 +272,28 @@ def measure_profile(
                 h = states[:k]
                 runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
             runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
+            # a plain step as decoding runs it, the head's weights just read before the layers
+            # (timed alone, one row through the layers found the caches as the previous run
+            # left them, and came out 30% slower than in a decode loop on SmolLM2)
+            runs["step", at] = lambda at=at: model.head(model.run_layers(one, at, 0, layers))
         for k in every:
             runs["head", k] = lambda h=states[:k]: model.head(h)
         seconds, settled = settled_seconds(runs, repeats, model.device)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     span = max(far - context, 1)
-    near = [seconds["layer", context, k] / layers for k in every]
-    measured = [seconds["layer", far, k] / layers - near[k - 1] for k in sampled]
+    head = [seconds["head", k] for k in every]
+
+    def one_row(at: int) -> float:  # a layer's share of a plain step, less the head
+        return max(seconds["step", at] - head[0], 0.5 * seconds["layer", at, 1]) / layers
+
+    near = [one_row(context) if k == 1 else seconds["layer", context, k] / layers for k in every]
+    far_s = {k: one_row(far) if k == 1 else seconds["layer", far, k] / layers for k in sampled}
+    measured = [far_s[k] - near[k - 1] for k in sampled]
     deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
     drafted = seconds["drafted", context] / layers
     return CostProfile(
         layer=near,
-        head=[seconds["head", k] for k in range(1, max_tokens + 1)],
+        head=head,
         draft_layer=drafted,
         draft_head=draft_head,
         int8=int8,
@@ -408,11 +435,11 @@ class CostCheck:
         if not self.cost.profile.path:
             return None
         d = len(record.drafted) - record.from_context
-        predicted = self.cost.grid(
-            [record.exit_layer if d else 0], [d], [record.level if d else 0], record.from_context
+        predicted = self.cost.round_seconds(
+            record.exit_layer if d else 0, d, record.level if d else 0, record.from_context
         )
         actual = record.draft_s + record.verify_s
-        return self.observe(float(predicted[0, 0]), actual, bool(record.drafted))
+        return self.observe(predicted, actual, bool(record.drafted))
 
     def observe(self, predicted: float, actual: float, drafted: bool) -> float | None:
         """Record one round: `predicted` seconds (the cost's grid, with its overhead), `actual`

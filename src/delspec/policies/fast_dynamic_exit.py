@@ -254,16 +254,16 @@ class FastDynamicExit(DynamicExit):
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
 
-    def _scope(self, record: Round) -> tuple[Tensor | None, Tensor]:
-        """Candidate rows and record positions to score this round (rows None: skip)."""
+    def _scope(self, record: Round) -> tuple[Tensor | None, Tensor | None]:
+        """Candidate rows and record positions to score this round (None, None: skip)."""
+        if self.shadow_budget is not None and not self.in_warmup and record.hidden is None:
+            return None, None
         everything = torch.arange(record.targets.shape[0])
         if self.shadow_budget is None:
             return torch.arange(len(self.candidates)), everything
         if self.in_warmup:  # a spread of candidates, the deepest included; rotation adds the rest
             spread = torch.linspace(0, len(self.candidates) - 1, WARM_LAYERS)
             return spread.round().long().unique(), everything
-        if record.hidden is None:
-            return None, everything
         must = self._must_score()
         least = len(must) + 1  # + one rotating
         cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
