@@ -1,5 +1,6 @@
 """Scale-out on Ray Serve: two replicas of the server (a process, a model and one thread each)
-behind one API answer exactly as the model does alone, and /metrics covers both."""
+behind one API answer exactly as the model does alone, and /metrics covers both (then, one
+killed, the one left)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def merged(replicas: list[list[Metric]]) -> dict[str, float]:
 
 def test_two_replicas_answer_as_the_model_and_metrics_cover_both(smollm2: LoadedModel) -> None:
     pytest.importorskip("ray.serve", reason="Ray Serve is the delspec[ray] extra")
+    import ray
     from ray import serve
 
     requests = [
@@ -53,6 +55,12 @@ def test_two_replicas_answer_as_the_model_and_metrics_cover_both(smollm2: Loaded
         scraped = [samples(httpx.get(url + "/metrics", timeout=TIMEOUT).text) for _ in range(4)]
         handle = serve.get_deployment_handle("Replica", "delspec")
         parts = handle.broadcast("local_metrics").results()
+        # a replica killed: /metrics still answers, for the one left (Serve restarts the other
+        # only after loading its model, seconds later)
+        name = next(a["name"] for a in ray.util.list_named_actors(True) if "#Replica#" in a["name"])
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        after = httpx.get(url + "/metrics", timeout=TIMEOUT)
+        left = handle.broadcast("local_metrics").results(return_exceptions=True)
     expected = [
         generate(smollm2, b.get("prompt") or b["messages"], strategy="ar", max_new_tokens=8).text
         for _, b in requests
@@ -72,12 +80,17 @@ def test_two_replicas_answer_as_the_model_and_metrics_cover_both(smollm2: Loaded
     # the last scrape, taken when all was done: counters and histograms are the replicas' sums,
     # `busy` their maximum, the last speed their mean (only /metrics' own count moved since)
     last = scraped[-1]
-    for key, value in last.items():
-        if key.endswith(("_total", "_bucket", "_count", "_sum")) and "/metrics" not in key:
-            assert value == pytest.approx(sum(part[key] for part in each)), key
+    summed = [k for k in last if k.split("{")[0].endswith(("_total", "_bucket", "_count", "_sum"))]
+    assert len(summed) > 20
+    for key in (key for key in summed if "/metrics" not in key):
+        assert last[key] == pytest.approx(sum(part.get(key, 0) for part in each)), key
     assert last["delspec_busy"] == 0 and last["delspec_queue_depth"] == 0
     speeds = [part["delspec_tokens_per_second"] for part in each]
     assert last["delspec_tokens_per_second"] == pytest.approx(sum(speeds) / 2)
+    survivor = [part for part in left if not isinstance(part, BaseException)]
+    assert after.status_code == 200 and len(survivor) == 1
+    assert samples(after.text)["delspec_replicas"] == 1
+    assert samples(after.text).get(served, 0) == merged(survivor).get(served, 0)
 
 
 def test_merged_metrics_sum_counts_and_queues_average_last_speeds_and_max_busy() -> None:

@@ -144,6 +144,8 @@ _MERGED_BY: dict[str, Callable[[list[float]], float]] = {
     "delspec_busy": max,
 }
 
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and sorted labels
+
 
 class MergedMetrics(Collector):
     """Several replicas' metric families (each replica's `registry.collect()`) as one: every
@@ -159,7 +161,7 @@ class MergedMetrics(Collector):
             "delspec_replicas", "Server replicas these metrics cover.", value=len(self.replicas)
         )
         # family name -> (its first replica's family, sample name and labels -> values)
-        merged: dict[str, tuple[Metric, dict[tuple[str, tuple], list[float]]]] = {}
+        merged: dict[str, tuple[Metric, dict[_SampleKey, list[float]]]] = {}
         for families in self.replicas:
             for family in families:
                 _, values = merged.setdefault(family.name, (family, {}))
