@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from prometheus_client import generate_latest
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.batch_drafts import BatchDrafts
@@ -210,17 +212,17 @@ def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
             "busy": worker.active > 0,
         }
 
-    def local_metrics() -> str:
-        return metrics.render(worker.depth, worker.active)
+    def local_metrics() -> Collector:
+        return metrics.current(worker.depth, worker.active)
 
     app.state.local_metrics = local_metrics
-    app.state.gather_metrics = None  # or async () -> str: all replicas' (`server.replicas`)
+    app.state.gather_metrics = None  # or async () -> Collector: all replicas' (`server.replicas`)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         gather = app.state.gather_metrics
         return Response(
-            await gather() if gather else local_metrics(),
+            generate_latest(await gather() if gather else local_metrics()),
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 

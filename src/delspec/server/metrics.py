@@ -1,13 +1,15 @@
 """Server metrics through `prometheus_client`, the middleware that counts responses, and the
-merging of several replicas' metrics."""
+merging of several replicas' metric families (`prometheus_client` objects, never text)."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from delspec.generate import Result
 
@@ -15,8 +17,7 @@ _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
-    """A server's metrics in a registry of their own, rendered in the Prometheus text format
-    (version 0.0.4). Thread-safe."""
+    """A server's metrics in a registry of their own (`generate_latest` renders it). Thread-safe."""
 
     def __init__(self, num_layers: int) -> None:
         self.registry = registry = CollectorRegistry()
@@ -102,12 +103,12 @@ class Metrics:
             if entry["drafted"]:
                 self.exit_layer.observe(entry["exit_layer"])
 
-    def render(self, queue_depth: int, active: int) -> str:
-        """The Prometheus text of every metric, with the queue's state as given."""
+    def current(self, queue_depth: int, active: int) -> CollectorRegistry:
+        """The registry, its gauges of the queue set to the state given."""
         self.queue_depth.set(queue_depth)
         self.active.set(active)
         self.busy.set(int(active > 0))
-        return generate_latest(self.registry).decode()
+        return self.registry
 
 
 class RequestCounter:
@@ -143,42 +144,33 @@ _MERGED_BY: dict[str, Callable[[list[float]], float]] = {
     "delspec_busy": max,
 }
 
-
-def merge_metrics(texts: list[str]) -> str:
-    """The Prometheus texts of several replicas as one: every sample (counters, histogram
-    buckets, queue depth, active) summed over replicas, except the last generation's speed and
-    acceptance (mean), `busy` (max) and the `_created` timestamps (the earliest);
-    `delspec_replicas` says how many were merged. Works on the text (prometheus_client's
-    multiprocess mode shares files between the processes of one machine, not replicas)."""
-    families: dict[str, list[str]] = {}  # metric name -> its comment lines and sample keys
-    values: dict[str, list[float]] = {}
-    for text in [f"delspec_replicas {len(texts)}", *texts]:
-        for line in filter(None, text.splitlines()):
-            if line.startswith("#"):
-                family = families.setdefault(line.split()[2], [])
-                if line not in family:
-                    family.append(line)
-                continue
-            key, value = line.rsplit(" ", 1)
-            if key not in values:
-                values[key] = []
-                families.setdefault(_family(key, families), []).append(key)
-            values[key].append(float(value))
-    merged = [
-        "# HELP delspec_replicas Server replicas these metrics cover.",
-        "# TYPE delspec_replicas gauge",
-    ]
-    for line in (line for family in families.values() for line in family):
-        if line in values:
-            name = line.split("{")[0]
-            total = _MERGED_BY.get(name, min if name.endswith("_created") else sum)(values[line])
-            line = f"{line} {int(total) if total.is_integer() else total}"
-        merged.append(line)
-    return "\n".join(merged) + "\n"
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and sorted labels
 
 
-def _family(key: str, families: dict[str, list[str]]) -> str:
-    """The metric a sample belongs to: its name, less a histogram's _bucket/_sum/_count."""
-    name = key.split("{")[0]
-    base = name.rsplit("_", 1)[0]
-    return base if base in families and name.endswith(("_bucket", "_sum", "_count")) else name
+class MergedMetrics(Collector):
+    """Several replicas' metric families (each replica's `registry.collect()`) as one: every
+    sample (counters, histogram buckets, queue depth, active) summed over the replicas that have
+    it, except the last generation's speed and acceptance (mean), `busy` (max) and the
+    `_created` timestamps (the earliest); `delspec_replicas` says how many replicas were merged."""
+
+    def __init__(self, replicas: list[list[Metric]]) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "delspec_replicas", "Server replicas these metrics cover.", value=len(self.replicas)
+        )
+        # family name -> (its first replica's family, sample name and labels -> values)
+        merged: dict[str, tuple[Metric, dict[_SampleKey, list[float]]]] = {}
+        for families in self.replicas:
+            for family in families:
+                _, values = merged.setdefault(family.name, (family, {}))
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    values.setdefault(key, []).append(sample.value)
+        for first, values in merged.values():
+            family = Metric(first.name, first.documentation, first.type, first.unit)
+            for (name, labels), each in values.items():
+                total = _MERGED_BY.get(name, min if name.endswith("_created") else sum)
+                family.add_sample(name, dict(labels), total(each))
+            yield family

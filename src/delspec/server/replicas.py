@@ -2,7 +2,7 @@
 
 Each replica is a Ray actor process holding its own model, thread budget and batching worker
 (the app of `create_app`); Ray's HTTP proxy spreads requests over them. `/metrics` on any
-replica answers for all of them (`merge_metrics`). On one machine Ray starts a local cluster;
+replica answers for all of them (`MergedMetrics`). On one machine Ray starts a local cluster;
 `ray_address` joins a running one (`ray start --head` on one node, `ray start --address
 HEAD:6379` on the others, delspec installed on every node).
 """
@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client.core import Metric
 
 from delspec.decoding import BATCH_SIZES
 from delspec.errors import ConfigError
 from delspec.loading import load_model
 from delspec.server.app import DEFAULT_MAX_QUEUE, create_app
-from delspec.server.metrics import merge_metrics
+from delspec.server.metrics import MergedMetrics
 
 INSTALL_HINT = "serving replicas needs Ray Serve: pip install 'delspec[ray]'"
 APP_NAME = "delspec"
@@ -56,17 +57,18 @@ class Replica:
     def __serve_build_asgi_app__(self) -> Any:
         return self.server
 
-    def local_metrics(self) -> str:
-        """This replica's metrics (Prometheus text)."""
-        return self.server.state.local_metrics()
+    def local_metrics(self) -> list[Metric]:
+        """This replica's metric families."""
+        return list(self.server.state.local_metrics().collect())
 
-    async def all_metrics(self) -> str:
-        """Every replica's metrics, merged."""
+    async def all_metrics(self) -> MergedMetrics:
+        """The metrics of every replica that answers (one that fails, e.g. dying, is left out)."""
         from ray import serve
 
         context = serve.get_replica_context()
         handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        return merge_metrics(await handle.broadcast("local_metrics").results_async())
+        parts = await handle.broadcast("local_metrics").results_async(return_exceptions=True)
+        return MergedMetrics([part for part in parts if not isinstance(part, BaseException)])
 
 
 def _ray() -> tuple[Any, Any]:
