@@ -166,6 +166,20 @@ def test_row_bits_do_not_depend_on_batch_or_threads(qtype):
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_tile_pairs_have_the_bits_of_single_tiles(qtype):
+    """24 rows (a pair of tiles, computed at once with AVX-512, and an odd tile) give the bits of
+    each tile of 8 rows alone."""
+    raw = synthetic_blocks(qtype, 24, 512, seed=8)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
+
+    def product(rows: np.ndarray) -> torch.Tensor:
+        return BlockWeight.from_blocks(qtype, torch.from_numpy(rows), 512)(x)
+
+    alone = torch.cat([product(raw[i : i + 8]) for i in (0, 8, 16)], -1)
+    assert torch.equal(product(raw), alone)
+
+
 def test_simd_paths_widest_first():
     """The paths tried for a CPU's flags, widest first, each narrower one a fallback for a
     compiler too old for the wider; a cap never lets a wider one in."""

@@ -39,8 +39,9 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K);
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a);
 /* Bytes from one tile of 8 weight rows of K values to the next (0 for an unknown type). */
 int64_t dl_tile_stride(int type, int64_t K);
-/* y[m * ldy + c] = x[m] . W[c] for the M rows of `a` and the first `width` (<= 8) rows c of the
- * tile at `tile`. */
+/* y[m * ldy + c] = x[m] . W[c] for the M rows of `a` and the first `width` (<= 16) rows c of the
+ * tile at `tile` and, when width > 8, the next tile (AVX-512 computes such a pair at once; the
+ * bits are those of one tile at a time). */
 void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t M, float *y,
              int64_t ldy, int width);
 /* y[m * ldy + n] = x[m] . W[n] for the M rows of `a`, n < N, W tiled (dl_pack) in `type`.

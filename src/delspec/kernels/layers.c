@@ -142,44 +142,60 @@ static void team_wait(Member *me) {
     me->since = omp_get_wtime();
 }
 
-/* out[m][row..row+7] for the tile of weight rows row.. of `w` (row a multiple of 8), plus the
- * bias. */
-static void linear_tile(const Linear *w, int64_t row, const Activations *a, int64_t M, float *out,
-                        int64_t ldo) {
+/* out[m][0..width) for weight rows row..row + width - 1 of `w` (row a multiple of 8; width <= 16
+ * and within one part: one tile or a pair), plus the bias. */
+static void linear_tiles(const Linear *w, int64_t row, int width, const Activations *a, int64_t M,
+                         float *out, int64_t ldo) {
     int p = 0;
     int64_t first = 0;
     while (row >= first + w->rows[p]) first += w->rows[p++];
     int64_t local = row - first;
     const uint8_t *tile = w->tiles[p] + local / TILE * dl_tile_stride(w->type[p], w->K);
-    int width = w->rows[p] - local < TILE ? (int)(w->rows[p] - local) : TILE;
     dl_tile(w->type[p], tile, a, M, out, ldo, width);
     if (w->bias)
         for (int64_t m = 0; m < M; ++m)
             for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
 }
 
-/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over tiles, then the
- * team's barrier. */
+/* A part's rows rounded up to whole pairs of tiles (its odd last tile counting as a pair). */
+static int64_t paired(int64_t rows) { return (rows + 2 * TILE - 1) / (2 * TILE) * 2 * TILE; }
+
+/* Rows of a part from `local` on that one call of linear_tiles takes (a pair of tiles, or the
+ * part's odd last tile). */
+static int pair_width(int64_t rows, int64_t local) {
+    return rows - local < 2 * TILE ? (int)(rows - local) : 2 * TILE;
+}
+
+/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over pairs of tiles (never
+ * across parts), then the team's barrier. */
 static void linear(const Linear *w, const Activations *a, int64_t M, float *out, Member *me) {
+    int64_t pairs = 0;
+    for (int p = 0; p < w->parts; ++p) pairs += paired(w->rows[p]) / (2 * TILE);
 #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < (w->N + TILE - 1) / TILE; ++t)
-        linear_tile(w, t * TILE, a, M, out + t * TILE, w->N);
+    for (int64_t u = 0; u < pairs; ++u) {
+        int p = 0;
+        int64_t first = 0, local = 2 * TILE * u;
+        while (local >= paired(w->rows[p])) local -= paired(w->rows[p]), first += w->rows[p++];
+        linear_tiles(w, first + local, pair_width(w->rows[p], local), a, M, out + first + local, w->N);
+    }
     team_wait(me);
 }
 
 /* act = f(x . W_gate) * (x . W_up), W_gate the first `width` rows of `w` and W_up the next.
- * Work-shared over tiles (each thread takes a tile of gate rows and the matching up rows), then
- * the team's barrier. */
+ * Work-shared over pairs of tiles (each thread takes a pair of gate tiles and the matching up
+ * tiles), then the team's barrier. */
 static void gated_linear(const Model *m, const Linear *w, const Activations *a, int64_t M,
                          float *act, float *scratch, Member *me) {
     int width = m->intermediate;
-    float *gate = scratch, *up = scratch + M * TILE;
+    float *gate = scratch, *up = scratch + M * 2 * TILE;
 #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < width / TILE; ++t) {
-        linear_tile(w, t * TILE, a, M, gate, TILE);
-        linear_tile(w, width + t * TILE, a, M, up, TILE);
+    for (int64_t u = 0; u < paired(width) / (2 * TILE); ++u) {
+        int64_t col = 2 * TILE * u;
+        int n = pair_width(width, col);
+        linear_tiles(w, col, n, a, M, gate, 2 * TILE);
+        linear_tiles(w, width + col, n, a, M, up, 2 * TILE);
         for (int64_t r = 0; r < M; ++r)
-            dl_gated_row(gate + r * TILE, up + r * TILE, TILE, m->gelu, act + r * width + t * TILE);
+            dl_gated_row(gate + r * 2 * TILE, up + r * 2 * TILE, n, m->gelu, act + r * width + col);
     }
     team_wait(me);
 }
@@ -187,7 +203,7 @@ static void gated_linear(const Model *m, const Linear *w, const Activations *a, 
 /* This thread's own states and scratch. */
 typedef struct {
     float *h, *x, *delta; /* [rows][hidden] */
-    float *gate;          /* [2][rows][8] */
+    float *gate;          /* [2][rows][16] */
     void *quantised;      /* Activations for the widest product input */
     float *attention;     /* dl_attention_scratch floats */
 } Own;
@@ -295,7 +311,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         round64((size_t)(rows * width) * 4),                  /* activation */
         states,                                               /* o / down output */
     };
-    size_t gates = round64((size_t)(2 * rows * TILE) * 4), quantised = dl_activation_bytes(rows, widest);
+    size_t gates = round64((size_t)(2 * rows * 2 * TILE) * 4), quantised = dl_activation_bytes(rows, widest);
     size_t own_bytes = 3 * states + gates + quantised +
                        round64((size_t)dl_attention_scratch(&shape, &R) * 4);
     size_t total = shared[0] + shared[1] + shared[2] + shared[3] + own_bytes * (size_t)team;
