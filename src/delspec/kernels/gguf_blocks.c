@@ -832,13 +832,16 @@ static inline __attribute__((always_inline)) void pack_row(int type, const uint8
 }
 
 /* Repack N GGUF rows of K values, row n's blocks at rows[n], into tiles (dl_tile_bytes bytes),
- * on `threads` threads. */
+ * on up to `threads` threads: only for PACK_SHARED_BYTES or more, and in small shares taken in
+ * turn, so that a thread that has lost its core to another process holds up little (a join per
+ * small tensor costs more than it saves when the cores are shared). */
+#define PACK_SHARED_BYTES (4 << 20)
 int dl_pack(int type, const uint8_t *const *rows, int64_t N, int64_t K, uint8_t *tiles,
             int threads) {
     int64_t bytes = dl_tile_bytes(type, N, K);
     if (!bytes) return -1;
     int64_t tile_rows = (N + TILE - 1) / TILE, stride = bytes / tile_rows;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tile_rows >= 16)
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads) if (threads > 1 && bytes >= PACK_SHARED_BYTES)
     for (int64_t tn = 0; tn < tile_rows; ++tn) {
         uint8_t *out = tiles + tn * stride;
         int count = N - tn * TILE < TILE ? (int)(N - tn * TILE) : TILE;
