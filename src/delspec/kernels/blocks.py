@@ -98,9 +98,15 @@ class BlockWeight:
                     f"{qtype.name} block data of shape {tuple(piece.shape)} ({piece.dtype}); "
                     f"rows of {cols} values need uint8 (rows, {width})"
                 )
-        pieces = [piece if piece.stride(1) == 1 else piece.contiguous() for piece in pieces]
+        pieces = [
+            p if p.stride(1) == 1 and p.stride(0) >= width else p.contiguous() for p in pieces
+        ]
         # where each row's blocks lie (the pieces stay referenced until the repack is done)
-        rows = torch.cat([p.data_ptr() + torch.arange(len(p)) * p.stride(0) for p in pieces])
+        rows, at = torch.empty(sum(len(p) for p in pieces), dtype=torch.int64), 0
+        for p in pieces:
+            start, step = p.data_ptr(), max(p.stride(0), 1)  # one row: any stride
+            torch.arange(start, start + len(p) * step, step, out=rows[at : at + len(p)])
+            at += len(p)
         tiles = torch.empty(tile_bytes(qtype, len(rows), cols), dtype=torch.uint8)
         status = _library().dl_pack(
             int(qtype), rows.data_ptr(), len(rows), cols, tiles.data_ptr(), torch.get_num_threads()
