@@ -240,6 +240,18 @@ def test_parts_and_row_subsets():
     assert torch.equal(wa.dequantize(rows), wa.dequantize()[rows])
 
 
+def test_pieces_are_repacked_where_they_lie():
+    """Rows given as several pieces, strided views among them, repack to the tiles of the
+    pieces' rows copied one after another."""
+    for qtype in sorted(KERNEL_TYPES):
+        a = torch.from_numpy(synthetic_blocks(qtype, 12, 256, 8))
+        b = torch.from_numpy(synthetic_blocks(qtype, 7, 256, 9))
+        pieces = [a[1::2], b, a[::3]]
+        copied = BlockWeight.from_blocks(qtype, torch.cat(pieces), 256).parts[0]
+        in_place = BlockWeight.from_blocks(qtype, pieces, 256).parts[0]
+        assert in_place.rows == 17 and torch.equal(in_place.tiles, copied.tiles), qtype.name
+
+
 def test_malformed_blocks_are_refused():
     raw = torch.from_numpy(synthetic_blocks(T.Q4_1, 4, 64))
     with pytest.raises(ModelFormatError, match="Q4_1 block data of shape"):

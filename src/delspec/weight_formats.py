@@ -83,19 +83,15 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
         if not all(kind in KERNEL_TYPES for kind in kinds):
             floats.update(kind.name for kind in kinds if kind not in KERNEL_TYPES)
             continue
-        rows = []
+        rows = []  # per tensor, its rows in the order the model takes them
         for name in names:
-            raw, info = file.raw(name), file.tensors[name]
-            part = name.split(".")[-2]
-            rows.append(
-                raw[_rope_order(info.rows, heads[part])] if permute and part in heads else raw
-            )
+            raw, part = file.raw(name), name.split(".")[-2]
+            rows.append(_rope_rows(raw, heads[part]) if permute and part in heads else [raw])
         cols, parts = file.tensors[names[0]].dims[-1], []
         # consecutive tensors of one type are repacked as one (cheaper than merging tiles)
         for kind, run in itertools.groupby(zip(kinds, rows, strict=True), key=lambda r: r[0]):
-            data = [raw for _, raw in run]
-            data = data[0] if len(data) == 1 else np.concatenate(data)
-            parts.append(BlockWeight.from_blocks(kind, torch.from_numpy(data), cols))
+            pieces = [torch.from_numpy(piece) for _, tensor in run for piece in tensor]
+            parts.append(BlockWeight.from_blocks(kind, pieces, cols))
         blocks[module] = BlockWeight.stack(parts)
     if floats:
         print(
@@ -107,9 +103,11 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
     return blocks
 
 
-def _rope_order(rows: int, heads: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's per-head interleaving of RoPE halves."""
-    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+def _rope_rows(raw: np.ndarray, heads: int) -> list[np.ndarray]:
+    """`raw`'s rows in the order that undoes llama.cpp's per-head interleaving of RoPE halves:
+    per head, its even rows, then its odd rows (views, no copy)."""
+    size = len(raw) // heads
+    return [raw[h * size + odd : (h + 1) * size : 2] for h in range(heads) for odd in (0, 1)]
 
 
 def hf_names(modules: set[str]) -> set[str]:

@@ -10,6 +10,7 @@ with, so speculative verification of k tokens and k plain steps agree exactly.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import gguf
@@ -78,29 +79,40 @@ class BlockWeight:
         ]
 
     @classmethod
-    def from_blocks(cls, qtype: gguf.GGMLQuantizationType, data: Tensor, cols: int) -> BlockWeight:
-        """One part from a GGUF tensor's rows: `data` is uint8 `[rows, row_bytes]` of `qtype`
-        blocks, repacked here into tiles."""
+    def from_blocks(
+        cls, qtype: gguf.GGMLQuantizationType, data: Tensor | Sequence[Tensor], cols: int
+    ) -> BlockWeight:
+        """One part from GGUF rows, repacked here into tiles: `data` is uint8 `[rows, row_bytes]`
+        of `qtype` blocks, or several such pieces whose rows follow one another. Rows are read
+        where they lie (any row stride: no copy of a file's map, nor of the pieces together)."""
         qtype = gguf.GGMLQuantizationType(qtype)
         if qtype not in KERNEL_TYPES:
             raise ModelFormatError(
                 f"no block kernel for GGUF type {qtype.name} (supported: {kernel_type_names()})"
             )
-        expected = (data.shape[0] if data.dim() == 2 else -1, row_bytes(qtype, cols))
-        if data.dtype != torch.uint8 or tuple(data.shape) != expected:
-            raise ModelFormatError(
-                f"{qtype.name} block data of shape {tuple(data.shape)} ({data.dtype}); "
-                f"rows of {cols} values need uint8 (rows, {expected[1]})"
-            )
-        data = data.contiguous()
-        rows = data.shape[0]
-        tiles = torch.empty(tile_bytes(qtype, rows, cols), dtype=torch.uint8)
+        width = row_bytes(qtype, cols)
+        pieces = [data] if isinstance(data, Tensor) else list(data)
+        for piece in pieces:
+            if piece.dtype != torch.uint8 or piece.dim() != 2 or piece.shape[1] != width:
+                raise ModelFormatError(
+                    f"{qtype.name} block data of shape {tuple(piece.shape)} ({piece.dtype}); "
+                    f"rows of {cols} values need uint8 (rows, {width})"
+                )
+        pieces = [
+            p if p.stride(1) == 1 and p.stride(0) >= width else p.contiguous() for p in pieces
+        ]
+        # where each row's blocks lie (the pieces stay referenced until the repack is done)
+        rows, at = torch.empty(sum(len(p) for p in pieces), dtype=torch.int64), 0
+        for p in pieces:
+            start, step = p.data_ptr(), max(p.stride(0), 1)  # one row: any stride
+            torch.arange(start, start + len(p) * step, step, out=rows[at : at + len(p)])
+            at += len(p)
+        tiles = torch.empty(tile_bytes(qtype, len(rows), cols), dtype=torch.uint8)
         status = _library().dl_pack(
-            int(qtype), data.data_ptr(), data.stride(0), rows, cols, tiles.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+            int(qtype), rows.data_ptr(), len(rows), cols, tiles.data_ptr(), torch.get_num_threads()
+        )
         _check(status, qtype)
-        return cls([Part(qtype, tiles, rows)], cols)
+        return cls([Part(qtype, tiles, len(rows))], cols)
 
     @classmethod
     def stack(cls, weights: list[BlockWeight]) -> BlockWeight:

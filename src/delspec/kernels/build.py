@@ -173,7 +173,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_simd_level.restype = i32
     lib.dl_tile_bytes.argtypes = [i32, i64, i64]
     lib.dl_tile_bytes.restype = i64
-    lib.dl_pack.argtypes = [i32, p, i64, i64, i64, p, i32]
+    lib.dl_pack.argtypes = [i32, p, i64, i64, p, i32]
     lib.dl_pack.restype = i32
     lib.dl_gather.argtypes = [i32, p, i64, p, i64, p, i64]
     lib.dl_gather.restype = i32

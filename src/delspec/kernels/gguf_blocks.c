@@ -194,26 +194,28 @@ static inline __attribute__((always_inline)) int q3_scale(const uint8_t *s, int 
     return (low | high << 4) - 32;
 }
 
-/* The 32 values of group g of a GGUF block (unsigned; Q8_0's as their signed bytes; F16's and
- * BF16's as their bits). */
-static inline __attribute__((always_inline)) void gguf_values(int type, const uint8_t *b, int g, uint16_t *q) {
+/* Bits 0..3 of `bits` as bit 0 of bytes 0..3 of a word. */
+static inline uint32_t spread_bits(uint32_t bits) { return (bits * 0x00204081u) & 0x01010101u; }
+
+/* The 32 values of group g of a GGUF block of a quantised type (unsigned; Q8_0's as their
+ * signed bytes). */
+static inline __attribute__((always_inline)) void gguf_values(int type, const uint8_t *b, int g, uint8_t *q) {
     switch (type) {
-    case F16:
-    case BF16: memcpy(q, b, 64); return;
     case Q4_0:
-    case Q4_1: {
-        const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
-        for (int i = 0; i < 16; ++i) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
-        return;
-    }
+    case Q4_1:
     case Q5_0:
-    case Q5_1: {
-        const uint8_t *qh = b + (type == Q5_0 ? 2 : 4), *qs = qh + 4;
-        uint32_t high;
-        memcpy(&high, qh, 4);
-        for (int i = 0; i < 16; ++i) {
-            q[i] = (qs[i] & 0x0f) | (((high >> i) & 1) << 4);
-            q[i + 16] = (qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
+    case Q5_1: { /* 4 values (a 32-bit word) at a time; Q5_*'s 5th bit of value i is bit i of qh */
+        int five = type == Q5_0 || type == Q5_1;
+        const uint8_t *qh = b + (type == Q4_0 || type == Q5_0 ? 2 : 4), *qs = qh + 4 * five;
+        uint32_t high = 0;
+        if (five) memcpy(&high, qh, 4);
+        for (int i = 0; i < 16; i += 4) {
+            uint32_t bytes, low, top;
+            memcpy(&bytes, qs + i, 4);
+            low = (bytes & 0x0f0f0f0fu) | spread_bits((high >> i) & 15) << 4;
+            top = ((bytes >> 4) & 0x0f0f0f0fu) | spread_bits((high >> (i + 16)) & 15) << 4;
+            memcpy(q + i, &low, 4);
+            memcpy(q + i + 16, &top, 4);
         }
         return;
     }
@@ -227,7 +229,7 @@ static inline __attribute__((always_inline)) void gguf_values(int type, const ui
         for (int i = 0; i < 32; ++i) {
             int v = (qs[i] >> (2 * (g % 4))) & 3;
             if (type == Q3_K) v |= ((b[i] >> g) & 1) << 2;
-            q[i] = (uint16_t)v;
+            q[i] = (uint8_t)v;
         }
         return;
     }
@@ -882,67 +884,73 @@ int64_t dl_tile_bytes(int type, int64_t N, int64_t K) {
     return (N + TILE - 1) / TILE * (K / L.values) * L.tile_bytes;
 }
 
-/* Row l's bits [shift, shift + w) of the 32 values q of a group, written whole bytes at a time
- * into an area of width w (see area_byte: value 4v + i of row l is in byte 32 (v / (8 / w)) +
- * 4 l + i at bit w (v % (8 / w))). */
+/* Row l's bits [shift, shift + w) (shift + w <= 8) of the 32 values q of a group, written into
+ * an area of width w (see area_byte: value 4v + i of row l is in byte 32 (v / (8 / w)) + 4 l + i
+ * at bit w (v % (8 / w))): 4 values, one 32-bit word of q, at a time. */
 static inline __attribute__((always_inline)) void put_area_row(uint8_t *area, int w, int l,
-                                                               const uint16_t *q, int shift) {
+                                                               const uint8_t *q, int shift) {
     int per = 8 / w;
-    unsigned mask = (1u << w) - 1;
-    for (int vb = 0; vb < w; ++vb)
-        for (int i = 0; i < 4; ++i) {
-            unsigned byte = 0;
-            for (int k = 0; k < per; ++k) byte |= ((q[4 * (vb * per + k) + i] >> shift) & mask) << (w * k);
-            area[32 * vb + 4 * l + i] = (uint8_t)byte;
+    uint32_t mask = 0x01010101u * ((1u << w) - 1); /* w bits in each byte */
+    for (int vb = 0; vb < w; ++vb) {
+        uint32_t word = 0;
+        for (int k = 0; k < per; ++k) {
+            uint32_t values;
+            memcpy(&values, q + 4 * (vb * per + k), 4);
+            word |= ((values >> shift) & mask) << (w * k);
         }
+        memcpy(area + 32 * vb + 4 * l, &word, 4);
+    }
 }
 
-/* Tile row tn (rows 8 tn.. of N) of GGUF rows repacked: inlined with `type` a constant, so
- * that the per-value layout arithmetic folds away. */
-static inline __attribute__((always_inline)) void pack_tile_row(int type, const uint8_t *rows,
-                                                                int64_t row_stride, int64_t N,
-                                                                int64_t K, uint8_t *tiles,
-                                                                int64_t tn) {
+/* GGUF row `src` (K values) repacked as row l of a tile row `out` (zeroed first where the tile
+ * row is partial): inlined with `type` a constant, so that the layout arithmetic folds away. */
+static inline __attribute__((always_inline)) void pack_row(int type, const uint8_t *src,
+                                                           int64_t K, uint8_t *out, int l) {
     Layout L;
     layout_of(type, &L);
-    int64_t blocks = K / L.values, per = L.values / GROUP;
-    uint8_t *out = tiles + tn * blocks * L.tile_bytes;
-    memset(out, 0, (size_t)(blocks * L.tile_bytes));
-    uint16_t q[GROUP];
-    for (int64_t n = tn * TILE; n < N && n < (tn + 1) * TILE; ++n) {
-        int l = (int)(n % TILE);
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t *src = rows + n * row_stride + b * L.gguf_bytes;
-            uint8_t *t = out + b * L.tile_bytes;
-            put_fields(type, src, t, l);
-            for (int g = 0; g < per; ++g) {
-                uint8_t *area = t + L.head + g * L.group_bytes;
-                gguf_values(type, src, g, q);
-                if (L.low == 16) {
-                    for (int i = 0; i < GROUP; ++i) set_tile_value(&L, area, l, i, q[i]);
-                    continue;
-                }
-                put_area_row(area, L.low, l, q, 0);
-                if (L.high) put_area_row(area + 32 * L.low, L.high, l, q, L.low);
-            }
+    int64_t blocks = K / L.values;
+    int per = L.values / GROUP;
+    for (int64_t b = 0; b < blocks; ++b, src += L.gguf_bytes) {
+        uint8_t *t = out + b * L.tile_bytes;
+        if (L.low == 16) { /* value c of row l at 16 c + 2 l */
+            uint16_t bits[GROUP];
+            memcpy(bits, src, sizeof bits);
+            for (int c = 0; c < GROUP; ++c) memcpy(t + 16 * c + 2 * l, bits + c, 2);
+            continue;
+        }
+        put_fields(type, src, t, l);
+        for (int g = 0; g < per; ++g) {
+            uint8_t *area = t + L.head + g * L.group_bytes, q[GROUP];
+            gguf_values(type, src, g, q);
+            put_area_row(area, L.low, l, q, 0);
+            if (L.high) put_area_row(area + 32 * L.low, L.high, l, q, L.low);
         }
     }
 }
 
-/* Repack N GGUF rows (row_stride bytes apart) of K values into tiles (dl_tile_bytes bytes),
- * on `threads` threads. */
-int dl_pack(int type, const uint8_t *rows, int64_t row_stride, int64_t N, int64_t K,
-            uint8_t *tiles, int threads) {
-    if (!dl_tile_bytes(type, N, K)) return -1;
-    int64_t tile_rows = (N + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tile_rows >= 16)
+/* Repack N GGUF rows of K values, row n's blocks at rows[n], into tiles (dl_tile_bytes bytes),
+ * on up to `threads` threads: only for PACK_SHARED_BYTES or more, and in small shares taken in
+ * turn, so that a thread that has lost its core to another process holds up little (a join per
+ * small tensor costs more than it saves when the cores are shared). */
+#define PACK_SHARED_BYTES (4 << 20)
+int dl_pack(int type, const uint8_t *const *rows, int64_t N, int64_t K, uint8_t *tiles,
+            int threads) {
+    int64_t bytes = dl_tile_bytes(type, N, K);
+    if (!bytes) return -1;
+    int64_t tile_rows = (N + TILE - 1) / TILE, stride = bytes / tile_rows;
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads) if (threads > 1 && bytes >= PACK_SHARED_BYTES)
     for (int64_t tn = 0; tn < tile_rows; ++tn) {
-        switch (type) {
+        uint8_t *out = tiles + tn * stride;
+        int count = N - tn * TILE < TILE ? (int)(N - tn * TILE) : TILE;
+        if (count < TILE) memset(out, 0, (size_t)stride);
+        for (int l = 0; l < count; ++l) {
+            switch (type) {
 #define PACK(T) \
-    case T: pack_tile_row(T, rows, row_stride, N, K, tiles, tn); break;
-            PACK(F16) PACK(BF16) PACK(Q4_0) PACK(Q4_1) PACK(Q5_0) PACK(Q5_1) PACK(Q8_0)
-            PACK(Q2_K) PACK(Q3_K) PACK(Q4_K) PACK(Q5_K) PACK(Q6_K)
+    case T: pack_row(T, rows[tn * TILE + l], K, out, l); break;
+                PACK(F16) PACK(BF16) PACK(Q4_0) PACK(Q4_1) PACK(Q5_0) PACK(Q5_1) PACK(Q8_0)
+                PACK(Q2_K) PACK(Q3_K) PACK(Q4_K) PACK(Q5_K) PACK(Q6_K)
 #undef PACK
+            }
         }
     }
     return 0;
