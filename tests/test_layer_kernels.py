@@ -87,6 +87,47 @@ def test_row_bits_do_not_depend_on_the_rows_computed_with_them(threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 11])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (8, 2), (5, 1)])
+def test_heads_computed_together_keep_each_heads_bits(heads, kv_heads, window, threads):
+    """Query heads of one key-value head are computed together, over blocks of keys and a tail:
+    each equals the same head computed alone (its key-value head repeated for it), and each row of
+    a many-row call equals a one-row call at its position."""
+    torch.manual_seed(4)
+    dim, length, start, n, group = 64, 48, 13, 21, heads // kv_heads
+    cos, sin = rope_table(rope_inv_freq(dim, 10000.0), length, torch.float32)
+    prefix = torch.randn(2, kv_heads, length, dim)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim)
+    norms = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5, 1e-6, 1.0)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+
+    def repeated(x):  # each key-value head once per query head
+        return x.view(n, kv_heads, dim).repeat_interleave(group, 1).flatten(1)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tables, rest = (cos[start : start + n], sin[start : start + n]), (window, 0.125, norms)
+        together = prefix.clone()
+        rows = attention.fused_attention(qkv, *tables, together, start, heads, *rest)
+        alone_qkv, alone_cache = (
+            torch.cat([q, repeated(k), repeated(v)], dim=1),
+            prefix.repeat_interleave(group, 1),
+        )
+        alone = attention.fused_attention(alone_qkv, *tables, alone_cache, start, heads, *rest)
+        assert torch.equal(rows, alone)
+        for r in range(n):
+            p = start + r
+            cache = together.clone()
+            row = attention.fused_attention(
+                qkv[r : r + 1], cos[p : p + 1], sin[p : p + 1], cache, p, heads, *rest
+            )
+            assert torch.equal(row[0], rows[r]), r
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_rms_norm_matches_torch_and_is_row_exact(offset):
     torch.manual_seed(2)

@@ -79,7 +79,8 @@ void dl_attention_write(const AttentionShape *s, const Rows *R, const float *qkv
  * them (dl_attention_write); otherwise the rows must be one sequence's consecutive positions,
  * and each task computes the new keys it needs and writes its row's key and value into the
  * cache itself (no step and barrier before; the bits are the same). `scratch`: per thread,
- * dl_attention_scratch floats. Work-shared over (head, row). */
+ * dl_attention_scratch floats. Work-shared over (row, key-value head, block of its query
+ * heads). */
 void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
                        const float *cos, const float *sin, float *keys, float *values, float *out,
                        int written, float *scratch);
