@@ -280,23 +280,24 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     assert json.loads(path.read_text())["settled"] is False  # measured again next start
 
 
+def _ran(policy, drafted: int, tokens: int, seconds: float) -> None:
+    """`policy` sees a round that drafted `drafted` tokens from layer 8 (none: a plain step)
+    and committed `tokens` in `seconds`."""
+    record = Round(
+        0, 8 if drafted else 0, [1] * drafted, [0.9] * drafted, 0, [1] * tokens,
+        torch.zeros(1, dtype=torch.long),
+    )  # fmt: skip
+    record.verify_s = seconds
+    policy.realized.add(record, 0.0)
+
+
 def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
     """The cost model promises a draft from layer 8; the rounds that ran say otherwise."""
     policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
     assert policy.plan().draft_cap > 0
 
     def ran(drafted, tokens, seconds):
-        record = Round(
-            0,
-            8 if drafted else 0,
-            [1] * drafted,
-            [0.9] * drafted,
-            0,
-            [1] * tokens,
-            torch.zeros(1, dtype=torch.long),
-        )
-        record.verify_s = seconds
-        policy.realized.add(record, 0.0)
+        _ran(policy, drafted, tokens, seconds)
 
     for _ in range(4):
         ran(0, 1, 0.01)  # plain steps: 100 tokens/s
@@ -312,6 +313,27 @@ def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
         ran(4, 5, 0.03)  # drafting rounds now deliver 167 tokens/s
     policy._choose()
     assert policy.plan().draft_cap > 0
+
+
+def test_layer_drafts_are_compared_with_a_recent_plain_step():
+    """Drafting rounds ran but no plain step recently: one round is plain, to see what a
+    plain step delivers now; drafts that beat it go on, until it fades from memory."""
+    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0)
+    for _ in range(4):
+        _ran(policy, 4, 3, 0.02)  # drafting rounds: 150 tokens/s
+    policy._choose()
+    assert policy.plan().draft_cap == 0  # a plain round, to compare with
+    _ran(policy, 0, 1, 0.01)  # a plain step: 100 tokens/s
+    policy._choose()
+    assert policy.plan().draft_cap > 0
+    for _ in range(40):
+        _ran(policy, 4, 3, 0.02)
+    policy._choose()
+    assert policy.plan().draft_cap > 0  # 40 rounds on, still recent enough
+    for _ in range(10):
+        _ran(policy, 4, 3, 0.02)
+    policy._choose()
+    assert policy.plan().draft_cap == 0  # 50 rounds on: look again
 
 
 def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkeypatch):
@@ -334,13 +356,14 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     assert got.token_ids == expected.token_ids
     assert second.warmup_window == 0 and got.trace[0]["scored_layers"] == 0  # none
     assert second.cost is first.cost  # corrections to the cost stay for the process
-    learned = first.stats.matched + first.stats.mismatched
-    assert learned.sum() > 0
-    # the second started from a quarter of the first's evidence (the same rates)
-    third = make_policy("del-fast", model.num_layers)
-    third.start(head.for_prompt(prompt))
-    now = second.stats.matched + second.stats.mismatched
-    np.testing.assert_allclose(third.stats.matched + third.stats.mismatched, 0.25 * now)
+    # a generation starts from a quarter of the latest one's evidence (the same rates)
+    latest = make_policy("del-fast", model.num_layers)
+    latest.start(head.for_prompt(prompt))
+    latest.stats.matched[:], latest.stats.mismatched[:] = 48.0, 16.0  # what it learned
+    then = make_policy("del-fast", model.num_layers)
+    then.start(head.for_prompt(prompt))
+    np.testing.assert_allclose(then.stats.matched, 12.0)
+    np.testing.assert_allclose(then.stats.mismatched, 4.0)
 
     alone = make_policy("del-fast", model.num_layers, remember=False)  # opted out: a warm-up
     got = decode_tokens(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True)
