@@ -72,8 +72,8 @@ class DraftHead(ExitHead):
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
             self.level_of[ranked[lo:hi].cpu()] = level
         self.context_vocab = context_vocab and bool(pruned)
-        self.extras = [model.head_rows(ranked[:0])] * len(levels)  # per level: rows of context
-        # tokens outside it
+        self._pending: list[int] = []  # admitted tokens not yet in the vocabularies
+        self.extras = [model.head_rows(ranked[:0])] * len(levels)
         self.context: set[int] = set()  # the sequence's tokens so far
         self.fresh: set[int] = set()  # those the latest `admit` added
         self.adapted: frozenset[int] = frozenset()
@@ -135,26 +135,52 @@ class DraftHead(ExitHead):
             return self
         head = copy.copy(self)
         head.vocabs, head.extras, head.context = list(self.vocabs), list(self.extras), set()
+        head._pending = []
         head.admit(prompt)
         head.fresh = set()
         return head
 
     def admit(self, tokens: list[int]) -> None:
+        """Note `tokens`' new ones; they join the vocabularies when a draft or shadow token
+        next needs them (most rounds of a model whose layers rarely draft need none)."""
         if not self.context_vocab:
             return
         new = [t for t in dict.fromkeys(tokens) if t not in self.context]
         self.fresh = set(new)
-        if not new:
-            return
         self.context.update(new)
-        ids = torch.tensor(new)
+        self._pending += new
+
+    @property
+    def vocabs(self) -> list[Tensor | None]:
+        self._join_pending()
+        return self._vocabs
+
+    @vocabs.setter
+    def vocabs(self, value: list[Tensor | None]) -> None:
+        self._vocabs = value
+
+    @property
+    def extras(self) -> list[Tensor]:
+        """Per level: the LM head rows of the context tokens outside it."""
+        self._join_pending()
+        return self._extras
+
+    @extras.setter
+    def extras(self, value: list[Tensor]) -> None:
+        self._extras = value
+
+    def _join_pending(self) -> None:
+        """Add the admitted tokens not yet in the vocabularies (and their head rows)."""
+        if not self._pending:
+            return
+        ids, self._pending = torch.tensor(self._pending), []
         for level, base in enumerate(self.base_vocabs):
             outside = ids[self.level_of[ids] > level].to(self.model.device)
             if base is None or not len(outside):
                 continue
-            self.vocabs[level] = torch.cat([self.vocabs[level], outside])
+            self._vocabs[level] = torch.cat([self._vocabs[level], outside])
             rows = self.model.head_rows(outside)
-            self.extras[level] = torch.cat([self.extras[level], rows])
+            self._extras[level] = torch.cat([self._extras[level], rows])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
         """The listed layers' adapters (`down`, `up`), stacked for a layer batch."""
