@@ -304,11 +304,13 @@ def test_layer_drafts_that_really_run_slower_than_plain_steps_are_dropped():
         ran(4, 3, 0.05)  # drafting rounds: 60 tokens/s
     policy._choose()
     assert policy.plan().draft_cap == 0 and policy.exit_layer == 8
-    retried = 0
-    for _ in range(2 * 16):
-        policy._choose()
-        retried += policy.plan().draft_cap > 0
-    assert retried == 2  # one round in 16 drafts again, to look again
+    retried = []
+    for round_ in range(40):
+        drafted = policy.plan().draft_cap > 0
+        if drafted:
+            retried.append(round_)
+        policy._recheck(changed=drafted)  # a round that drafted changed the statistics
+    assert retried == [16, 33]  # after 16 plain rounds, one drafts again, to look again
     for _ in range(20):
         ran(4, 5, 0.03)  # drafting rounds now deliver 167 tokens/s
     policy._choose()
@@ -324,7 +326,7 @@ def test_layer_drafts_are_compared_with_a_recent_plain_step():
     policy._choose()
     assert policy.plan().draft_cap == 0  # a plain round, to compare with
     _ran(policy, 0, 1, 0.01)  # a plain step: 100 tokens/s
-    policy._choose()
+    policy._recheck(changed=False)  # looked at again after that one round
     assert policy.plan().draft_cap > 0
     for _ in range(40):
         _ran(policy, 4, 3, 0.02)

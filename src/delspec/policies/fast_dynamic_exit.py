@@ -144,6 +144,8 @@ class FastDynamicExit(DynamicExit):
         self.row_cost = 0.0  # measured seconds per scored (layer, position)
         self.final_cost = 0.0  # measured seconds of counting the final layer from a verification
         self.cursor = 0  # rotation over candidates under a shadow budget
+        self.recheck_in = -1  # rounds until a plain round put in place of layer drafts is
+        # looked at again (`_recheck`; below 0: none is)
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.context_score = _ContextScore(self.omega, self.prior)
@@ -251,8 +253,7 @@ class FastDynamicExit(DynamicExit):
             if self.shadow_budget is not None:
                 self.final_cost = time.perf_counter() - counting
                 self.credit -= self.final_cost
-        if changed:
-            self._choose()
+        self._recheck(changed)
         elapsed = time.perf_counter() - start
         if isinstance(self.cost, MeasuredCost) and not in_warmup:
             self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
@@ -358,6 +359,14 @@ class FastDynamicExit(DynamicExit):
         rows = self._level_rows([self.candidates.index(record.exit_layer)])
         self.stats.update(match[: self.levels], confidence, np.ones(seen, dtype=bool), rows)
 
+    def _recheck(self, changed: bool) -> None:
+        """After a round: choose the plan again if the layers' statistics `changed`, or when a
+        plain round put in place of layer drafts is due to be looked at again (`recheck_in`
+        rounds after it was: one to see a plain step, `RETRY_EVERY` while drafts lose)."""
+        self.recheck_in -= 1
+        if changed or self.recheck_in == 0:
+            self._choose()
+
     def _choose(self) -> None:
         """The next (E, d*, vocabulary level) by expected tokens per cost, with the runs,
         min_evidence and margin rules."""
@@ -379,13 +388,14 @@ class FastDynamicExit(DynamicExit):
             and value[row, column] < (1 + self.margin) * value[0, plain]
         ):  # a plain round (its value is every row's); keep watching the layer agreeing best
             row, column = count - 1 - int(np.argmax(alpha[count - 1 :: -1])), plain
-        elif (
-            plain is not None
-            and column != plain
-            and isinstance(self.cost, MeasuredCost)
-            and self.realized.drafts_lose()
-        ):
-            column = plain  # drafts from layers really ran slower than plain steps (or: see)
+        elif plain is not None and column != plain and isinstance(self.cost, MeasuredCost):
+            verdict = self.realized.verdict()
+            if verdict == "lose" and self.recheck_in == 0:
+                verdict = "draft"  # refused for `RETRY_EVERY` rounds: look again
+            if verdict != "draft":  # drafts from layers really ran slower than plain steps
+                column = plain
+                waiting = self.recheck_in if self.recheck_in > 0 else RETRY_EVERY
+                self.recheck_in = 1 if verdict == "see" else waiting
         self.plan_value = float(value[row, column])
         self.plain_value = float(value[0, plain]) if plain is not None else 0.0
         if self.context_ngrams is not None:
@@ -424,7 +434,6 @@ class _Realized:
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
         self.sums = {"plain": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}  # tokens, s, rounds
-        self.refused = 0  # layer plans refused since the last retry
 
     def add(self, record: Round, overhead: float) -> None:
         """Count a finished round (of either kind; a context-only round only decays them),
@@ -441,27 +450,20 @@ class _Realized:
         for i, add in enumerate((len(record.tokens), seconds, 1.0)):
             self.sums[kind][i] += add
 
-    def drafts_lose(self) -> bool:
-        """Whether the next round should be plain instead of drafting from a layer: rounds that
-        drafted from a layer, seen often enough (`REALIZED_ROUNDS`), delivered fewer tokens per
-        second than recent plain steps; or no plain step is recent enough (`PLAIN_SEEN`) to
-        compare with, so that one is taken to see. While drafts lose, every `RETRY_EVERY`-th
-        call says no, to look again."""
+    def verdict(self) -> str:
+        """What the rounds that ran say of drafting from a layer next: "draft" (not seen often
+        enough, `REALIZED_ROUNDS`, to judge, or as fast as recent plain steps at least), "lose"
+        (fewer tokens per second than recent plain steps), or "see" (no plain step recent
+        enough, `PLAIN_SEEN`, to compare with: take one)."""
         (tokens, seconds, rounds), (plain_tokens, plain_seconds, plain_rounds) = (
             self.sums["layer"],
             self.sums["plain"],
         )
         if rounds < REALIZED_ROUNDS or not seconds:
-            return False
+            return "draft"
         if plain_rounds < PLAIN_SEEN or not plain_seconds:
-            return True
-        if tokens / seconds >= plain_tokens / plain_seconds:
-            return False
-        self.refused += 1
-        if self.refused >= RETRY_EVERY:
-            self.refused = 0
-            return False
-        return True
+            return "see"
+        return "draft" if tokens / seconds >= plain_tokens / plain_seconds else "lose"
 
 
 class _ContextScore:
