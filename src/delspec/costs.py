@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -157,7 +157,7 @@ class MeasuredCost:
         if parts is None:
             parts = self._grids[key] = self._grid_parts(*key)
         base, per_position = parts
-        return base + max(self.position - self.profile.context, 0) * per_position + self.overhead
+        return self._here(base, per_position)
 
     def _grid_parts(
         self, exits: Ints, lengths: Ints, levels: Ints, context: int
@@ -178,8 +178,11 @@ class MeasuredCost:
         if parts is None:
             base, per_position = self._grid_parts([exit_layer], [drafted], [level], context)
             parts = self._cells[key] = (float(base[0, 0]), float(per_position[0, 0]))
-        extra = max(self.position - self.profile.context, 0)
-        return parts[0] + extra * parts[1] + self.overhead
+        return self._here(*parts)
+
+    def _here(self, base: Any, per_position: Any) -> Any:
+        """Seconds (a grid's or one cell's) moved to the current position, with the overhead."""
+        return base + max(self.position - self.profile.context, 0) * per_position + self.overhead
 
     def _seconds(
         self,
