@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 from test_costs import profile
 from test_lossless import run
 from tiny_models import tiny_model
@@ -174,10 +173,10 @@ def test_the_index_holds_exactly_the_committed_tokens():
     assert stats.drafted > stats.accepted > 0
 
 
-def _fast_policy(layer_seconds, head_seconds, matched, mismatched, context_hits, **options):
+def _fast_policy(layer_seconds, head_seconds, matched, mismatched, outcomes, **options):
     """A del-fast policy over exits 2, 5, 8 of a 10-layer model with a given profile, layer
-    statistics, and context statistics (order-2 proposals matched `context_hits` in a row,
-    rounds of 4 tokens)."""
+    statistics, and context statistics: 12 rounds of order-2 proposals that settled as
+    `outcomes` (whether each token matched, up to the first miss)."""
     model = tiny_model(seed=0, num_layers=10)
     policy = make_policy("del-fast", 10, candidates=[2, 5, 8], shadow_budget=None, **options)
     policy.cost = MeasuredCost(profile(layer_seconds, head_seconds), 10)
@@ -185,18 +184,15 @@ def _fast_policy(layer_seconds, head_seconds, matched, mismatched, context_hits,
     policy.stats.matched = np.array(matched, dtype=np.float64)
     policy.stats.mismatched = np.array(mismatched, dtype=np.float64)
     policy._choose()
-    score = policy.context_score
-    hits, misses = context_hits
-    for _ in range(12):  # rounds whose proposals matched `hits` tokens, then missed `misses`
-        score.stats.update(
-            torch.tensor([[True] * hits + [False] * misses]),
-            torch.ones(1, hits + misses),
-            torch.ones(hits + misses, dtype=torch.bool),
-            torch.tensor([1]),
-        )
-    score.alpha = score.stats.alpha(policy.prior).tolist()
-    score.continuation = score.stats.continuation(policy.prior).tolist()
+    for _ in range(12 if outcomes else 0):
+        policy.context_score.count([(2, outcome) for outcome in outcomes])
     return policy
+
+
+RIGHT_FOR_4 = [[True] * 4 + [False]]  # proposals right 4 tokens at a time
+WRONG = [[False]]  # proposals whose first token misses
+SOMETIMES = [[True, False], [False], [False], [False]]  # a first token right 1 time in 4
+ALWAYS = [[True] * 6]  # proposals right all along
 
 
 PROPOSAL = ContextProposal([11, 12, 13, 14, 15, 16], 2)
@@ -208,7 +204,7 @@ LINEAR = ([0.01 * k for k in range(1, 21)], [0.05 * k for k in range(1, 21)])
 
 def test_a_context_draft_is_taken_when_it_pays():
     # layers agree poorly (no layer draft pays), proposals are right 4 tokens at a time
-    policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], (4, 1))
+    policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], RIGHT_FOR_4)
     assert policy.plan().draft_cap == 0  # without a proposal: a plain step
     plan = policy.plan(PROPOSAL)
     assert plan.exit_layer == 0 and plan.draft_cap == 0
@@ -218,20 +214,20 @@ def test_a_context_draft_is_taken_when_it_pays():
 
 
 def test_no_context_draft_where_verification_costs_too_much_or_proposals_miss():
-    expensive = _fast_policy(*LINEAR, [1, 1, 1], [30, 30, 30], (4, 1))
+    expensive = _fast_policy(*LINEAR, [1, 1, 1], [30, 30, 30], RIGHT_FOR_4)
     assert expensive.plan(PROPOSAL) == Plan(0, 0)
-    wrong = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], (0, 1))
+    wrong = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], WRONG)
     assert wrong.plan(PROPOSAL) == Plan(0, 0)
 
 
 def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
     # layer 2 accepts 95% for a fifth of a step per draft: its drafts beat poor context drafts
-    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], (1, 3))
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], SOMETIMES)
     layer_plan = policy.plan()
     assert layer_plan.exit_layer == 2 and layer_plan.draft_cap > 0
     assert policy.plan(PROPOSAL) == layer_plan
     # a short proposal that is always right: it is drafted, then layer 2 drafts after it
-    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], (6, 0))
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS)
     plan = policy.plan(ContextProposal([11], 2))
     assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
 
@@ -248,3 +244,19 @@ def test_proposals_are_scored_against_the_committed_tokens():
     assert got.token_ids == expected.token_ids and got.stats.drafted == 0
     stats = policy.context_score.stats
     assert float((stats.matched + stats.mismatched).sum()) > 0
+
+
+def test_first_tokens_and_runs_are_counted_apart():
+    """A proposal's first token and the tokens after an accepted one are estimated from their
+    own counts: single-token matches that are rarely right at first but run on once right must
+    not look right a third of the time."""
+    policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], [])
+    score = policy.context_score
+    for _ in range(10):  # first token right 1 time in 4; then 3 of 4 tokens after a right one
+        score.count([(1, [True, True, True, True, False]), (1, [False]), (1, [False])])
+        score.count([(1, [False])])
+    first, then = score.acceptance(1)
+    assert 0.2 < first < 0.3 and 0.7 < then < 0.8
+    assert score.acceptance(2) == (0.0, 0.0)  # another order: nothing seen
+    firsts, runs = np.split(score.stats.matched, 2)  # first-token rows, then all-token rows
+    assert firsts[0] > 0 and runs[0] > firsts[0] and not firsts[1:].any() and not runs[1:].any()

@@ -15,54 +15,72 @@ import numpy as np
 Array = np.ndarray
 
 
+def _row(index: int, doc: str) -> property:
+    """Row `index` of `ExitStatistics.sums` as an attribute (assigning fills the row)."""
+
+    def get(self: ExitStatistics) -> Array:
+        return self.sums[index]
+
+    def put(self: ExitStatistics, values: Any) -> None:
+        self.sums[index] = values
+
+    return property(get, put, doc=doc)
+
+
 class ExitStatistics:
     """Decayed match/mismatch counts (A, B) and confidence sums (S+, S-) per candidate layer,
     and decayed counts of positions after a match (`after_match`) and of those that matched
-    too (`continued`), for acceptance given the previous token's."""
+    too (`continued`), for acceptance given the previous token's. All six are rows of one
+    array, `sums`, so that a round's update is a few array operations, not a few per row."""
 
-    FIELDS = (
-        "matched",
-        "mismatched",
-        "confidence_matched",
-        "confidence_mismatched",
-        "after_match",
-        "continued",
-    )
+    matched = _row(0, "A: decayed matches")
+    mismatched = _row(1, "B: decayed mismatches")
+    confidence_matched = _row(2, "S+: decayed confidence of matched tokens")
+    confidence_mismatched = _row(3, "S-: decayed confidence of mismatched tokens")
+    after_match = _row(4, "decayed positions right after a match")
+    continued = _row(5, "decayed positions right after a match that matched too")
 
     def __init__(self, num_candidates: int, omega: float = 0.95) -> None:
         self.omega = omega
-        for name in self.FIELDS:
-            setattr(self, name, np.zeros(num_candidates))
+        self.sums = np.zeros((6, num_candidates))
 
-    def copy(self, weight: float = 1.0) -> ExitStatistics:
-        """An independent copy with every count and sum times `weight`: the same rates, as
-        much evidence as `weight` times these positions."""
+    def copy(self, weight: float | Array = 1.0) -> ExitStatistics:
+        """An independent copy with every count and sum times `weight` (one for all candidates,
+        or one per candidate): the same rates, as much evidence as `weight` times these
+        positions."""
         twin = ExitStatistics(0, self.omega)
-        for name in self.FIELDS:
-            setattr(twin, name, getattr(self, name) * weight)
+        twin.sums = self.sums * weight
         return twin
+
+    def evidence(self) -> Array:
+        """The (decayed) positions each candidate's statistics cover."""
+        return self.matched + self.mismatched
+
+    def capped(self, evidence: float) -> ExitStatistics:
+        """A `copy` in which no candidate's statistics cover more than `evidence` positions
+        (those that covered more scaled down to it): the same rates, no more evidence."""
+        covered = self.evidence()
+        return self.copy(np.minimum(1.0, evidence / np.maximum(covered, 1e-300)))
 
     def update(self, match: Any, confidence: Any, valid: Any, rows: Any = None) -> None:
         """Decay, then add one round: `match`/`confidence` are `[rows, positions]`, `valid`
-        marks the positions that count (the valid context). `rows` selects the candidates
-        observed this round (default: all); the others keep their statistics undecayed."""
+        marks the positions that count (the valid context; `[positions]`, or `[rows, positions]`
+        where they differ by row). `rows` selects the candidates observed this round (default:
+        all); the others keep their statistics undecayed."""
         match, valid = np.asarray(match, dtype=bool), np.asarray(valid, dtype=bool)
         confidence = np.asarray(confidence, dtype=np.float64)
-        rows = slice(None) if rows is None else np.asarray(rows)
         hit = match & valid
-        miss = ~match & valid
-        after = match[:, :-1] & valid[:-1] & valid[1:]  # pairs of valid neighbours
-        w = self.omega
-        for name, add in (
-            ("matched", hit.sum(1)),
-            ("mismatched", miss.sum(1)),
-            ("confidence_matched", (confidence * hit).sum(1)),
-            ("confidence_mismatched", (confidence * miss).sum(1)),
-            ("after_match", after.sum(1)),
-            ("continued", (after & match[:, 1:]).sum(1)),
-        ):
-            values = getattr(self, name)
-            values[rows] = w * values[rows] + add
+        counts = np.zeros((6, *match.shape))  # per field, row and position
+        counts[0], counts[1] = hit, valid & ~match
+        counts[2], counts[3] = confidence * counts[0], confidence * counts[1]
+        counts[4, :, :-1] = hit[:, :-1] & valid[..., 1:]  # a match, then a valid neighbour
+        counts[5, :, :-1] = counts[4, :, :-1] * match[:, 1:]  # ... that matched too
+        add = counts.sum(-1)
+        if rows is None:
+            self.sums = self.omega * self.sums + add
+        else:
+            rows = np.asarray(rows)
+            self.sums[:, rows] = self.omega * self.sums[:, rows] + add
 
     def alpha(self, prior: float = 0.0) -> Array:
         """Estimated acceptance rate A / (A + B + prior); 0 for a layer without data.

@@ -30,7 +30,7 @@ FINAL_POSITIONS = 4  # positions a round's verification counts for the final lay
 REALIZED_ROUNDS = 3.0  # (decayed) rounds of exit-layer drafts before their realized speed counts
 PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step delivers now
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
-CARRIED_WEIGHT = 0.25  # what the previous generation's statistics weigh when the next starts
+CARRIED_EVIDENCE = 8.0  # the most (decayed) positions a generation's carried statistics cover
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -105,11 +105,13 @@ class FastDynamicExit(DynamicExit):
       head and options learned (`_Learned`: the statistics of every layer and of the context
       drafts, the realized speeds, the measured cost with its corrections), instead of a
       warm-up from nothing: no prompt positions are scored, and round 0 already drafts where
-      that pays. The statistics start at `CARRIED_WEIGHT` of their weight (the same rates, less
-      evidence) and decay as the new sequence adds its own, so a prompt unlike the last one
-      takes over within a few rounds. Statistics too thin to stand in for a warm-up (no
-      layer's evidence still covers a position) are not carried. A short reply then pays no
-      warm-up, and a profile corrected once stays corrected for the process.
+      that pays. The statistics start with at most `CARRIED_EVIDENCE` positions of evidence
+      per layer (the same rates) and decay as the new sequence adds its own, so a prompt unlike
+      the last one takes over within a few rounds; a run of short replies keeps what it learned
+      (a fixed fraction of it would shrink away, and every other reply paid a warm-up again).
+      Statistics too thin to stand in for a warm-up (no layer's evidence covers `min_evidence`
+      positions, or one) are not carried. A short reply then pays no warm-up, and a profile
+      corrected once stays corrected for the process.
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -152,25 +154,24 @@ class FastDynamicExit(DynamicExit):
         self.realized = _Realized()
         self.collect_hidden = True
         if learned is not None and self._worth_carrying(learned.stats):
-            self.stats = learned.stats.copy(CARRIED_WEIGHT)
-            self.context_score.learned(learned.context.copy(CARRIED_WEIGHT))
+            self.stats = learned.stats.capped(CARRIED_EVIDENCE)
+            self.context_score.learned(learned.context.capped(CARRIED_EVIDENCE))
             self.realized = copy.deepcopy(learned.realized)
-            self.row_cost = learned.row_cost
+            self.row_cost, self.final_cost = learned.row_cost, learned.final_cost
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
         self.learned = _Learned(self.stats, self.context_score.stats, self.realized, self.cost)
-        self.learned.row_cost = self.row_cost
+        self.learned.row_cost, self.learned.final_cost = self.row_cost, self.final_cost
         memory[key] = self.learned
 
     def _worth_carrying(self, learned: ExitStatistics) -> bool:
         """Whether a previous generation's statistics can stand in for a warm-up: some layer's
-        evidence, at `CARRIED_WEIGHT`, still covers a position. (Layers seen less than
-        `min_evidence` then wait for their shadow tokens, under the budget, before they draft:
-        on SmolLM2, warming up every prompt anew cost a short reply 12 ms, ~10% of 24 tokens.)"""
+        evidence covers a position, and `min_evidence` positions (it could draft at once).
+        Thinner ones would only keep the warm-up from ever adding to them."""
         if learned.matched.shape != self.stats.matched.shape:
             return False
-        return float((learned.matched + learned.mismatched).max()) * CARRIED_WEIGHT >= 1.0
+        return float(learned.evidence().max()) >= max(1.0, self.min_evidence)
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
@@ -251,7 +252,7 @@ class FastDynamicExit(DynamicExit):
             counting = time.perf_counter()
             changed |= self._count_final_layer(record)
             if self.shadow_budget is not None:
-                self.final_cost = time.perf_counter() - counting
+                self.final_cost = self.learned.final_cost = time.perf_counter() - counting
                 self.credit -= self.final_cost
         self._recheck(changed)
         elapsed = time.perf_counter() - start
@@ -418,6 +419,7 @@ class _Learned:
     realized: _Realized
     cost: object  # MeasuredCost or LayerCost
     row_cost: float = 0.0  # measured seconds per scored (layer, position)
+    final_cost: float = 0.0  # measured seconds of counting the final layer from a verification
 
 
 # per model (weakly: a model no longer used is forgotten), per (options, head type, draft
@@ -467,14 +469,20 @@ class _Realized:
 
 
 class _ContextScore:
-    """Decayed acceptance statistics of context proposals, one row per match order, from each
-    round's proposal compared with the tokens the sequence commits after it (a proposal stays
-    pending until those tokens settle it)."""
+    """Decayed acceptance statistics of context proposals, from each round's proposal compared
+    with the tokens the sequence commits after it (a proposal stays pending until those tokens
+    settle it). Per match order, two rows: its proposals' first tokens (whose alpha is the
+    chance a first token is accepted) and all their tokens (whose continuation is the chance a
+    token after an accepted one is). One row of all tokens would mix the two: where the first
+    token is rarely right but a right one runs on (single-token matches on chat replies: 7%
+    and 40%), its alpha read 20-30% and proposals that missed kept being drafted."""
+
+    ORDERS = MAX_NGRAM - MIN_NGRAM + 1
 
     def __init__(self, omega: float, prior: float) -> None:
         self.prior = prior
-        self.stats = ExitStatistics(MAX_NGRAM - MIN_NGRAM + 1, omega)
-        self.alpha = self.continuation = [0.0] * len(self.stats.matched)
+        self.stats = ExitStatistics(2 * self.ORDERS, omega)  # first-token rows, then all-token
+        self.rates: tuple[list[float], list[float]] | None = None  # (alpha, continuation)
         self.committed_tokens: list[int] = []  # since `origin`
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
@@ -482,15 +490,17 @@ class _ContextScore:
 
     def learned(self, stats: ExitStatistics) -> None:
         """Start from `stats` (a previous sequence's) instead of nothing."""
-        self.stats = stats
-        self.alpha = stats.alpha(self.prior).tolist()
-        self.continuation = stats.continuation(self.prior).tolist()
+        self.stats, self.rates = stats, None
 
     def acceptance(self, order: int) -> tuple[float, float]:
         """A proposal of this match order: the chance its first token is accepted, and that a
-        token after an accepted one is."""
+        token after an accepted one is (worked out again only after the statistics changed)."""
+        if self.rates is None:
+            stats = self.stats
+            self.rates = stats.alpha(self.prior).tolist(), stats.continuation(self.prior).tolist()
+        alpha, continuation = self.rates
         row = order - MIN_NGRAM
-        return self.alpha[row], self.continuation[row]
+        return alpha[row], continuation[self.ORDERS + row]
 
     def proposed(self, proposal: ContextProposal) -> None:
         """The round about to run had this proposal (drafted or not)."""
@@ -507,28 +517,38 @@ class _ContextScore:
         if self.proposal.tokens:
             self.pending.append((index, self.proposal))
         self.proposal = NO_PROPOSAL
-        by_order: dict[int, list[list[bool]]] = {}
-        still = []
+        settled, still = [], []
         for index, proposal in self.pending:
             outcome = _settled(proposal.tokens, self.committed_tokens[index:])
             if outcome is None:
                 still.append((index, proposal))
             else:
-                by_order.setdefault(proposal.order, []).append(outcome)
+                settled.append((proposal.order, outcome))
         self.pending = still
-        for order, outcomes in by_order.items():
-            # one row of positions per order, a gap (invalid) between proposals
-            match = [m for outcome in outcomes for m in [*outcome, False]]
-            valid = [v for outcome in outcomes for v in [*([True] * len(outcome)), False]]
-            self.stats.update(
-                np.array([match]),
-                np.ones((1, len(match))),
-                np.array(valid),
-                [order - MIN_NGRAM],
+        if settled:
+            self.count(settled)
+
+    def count(self, settled: list[tuple[int, list[bool]]]) -> None:
+        """Add settled proposals, (match order, whether each token matched up to and including
+        the first miss), in one update: side by side, a gap (invalid) between them."""
+        orders = sorted({order for order, _ in settled})
+        rows = {order: i for i, order in enumerate(orders)}
+        width = sum(len(outcome) + 1 for _, outcome in settled)
+        match = np.zeros((2 * len(orders), width), dtype=bool)
+        valid = np.zeros_like(match)
+        at = 0
+        for order, outcome in settled:
+            first, every = rows[order], len(orders) + rows[order]
+            match[first, at], valid[first, at] = outcome[0], True
+            match[every, at : at + len(outcome)], valid[every, at : at + len(outcome)] = (
+                outcome,
+                True,
             )
-        if by_order:
-            self.alpha = self.stats.alpha(self.prior).tolist()
-            self.continuation = self.stats.continuation(self.prior).tolist()
+            at += len(outcome) + 1
+        first_rows = [order - MIN_NGRAM for order in orders]
+        every_rows = [self.ORDERS + row for row in first_rows]
+        self.stats.update(match, np.ones(match.shape), valid, first_rows + every_rows)
+        self.rates = None
 
 
 def _settled(proposed: list[int], actual: list[int]) -> list[bool] | None:
