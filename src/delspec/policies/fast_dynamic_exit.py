@@ -167,8 +167,8 @@ class FastDynamicExit(DynamicExit):
 
     def _worth_carrying(self, learned: ExitStatistics) -> bool:
         """Whether a previous generation's statistics can stand in for a warm-up: some layer's
-        evidence covers a position, and `min_evidence` positions (it could draft at once).
-        Thinner ones would only keep the warm-up from ever adding to them."""
+        evidence covers `min_evidence` positions (one at least), so that it could draft at
+        once. Thinner ones would only keep the warm-up from ever adding to them."""
         if learned.matched.shape != self.stats.matched.shape:
             return False
         return float(learned.evidence().max()) >= max(1.0, self.min_evidence)
