@@ -143,8 +143,11 @@ class FastDynamicExit(DynamicExit):
         super().start(exit_head)
         self.row_levels = np.repeat(np.arange(self.levels), len(self.candidates))
         self.credit = 0.0  # seconds of shadow work the budget allows now
-        self.row_cost = 0.0  # measured seconds per scored (layer, position)
-        self.final_cost = 0.0  # measured seconds of counting the final layer from a verification
+        # measured seconds per scored (layer, position), and of counting the final layer from a
+        # verification: timings of this machine, carried whenever a generation ran before
+        self.row_cost, self.final_cost = (
+            (learned.row_cost, learned.final_cost) if learned else (0.0, 0.0)
+        )
         self.cursor = 0  # rotation over candidates under a shadow budget
         self.recheck_in = -1  # rounds until a plain round put in place of layer drafts is
         # looked at again (`_recheck`; below 0: none is)
@@ -157,7 +160,6 @@ class FastDynamicExit(DynamicExit):
             self.stats = learned.stats.capped(CARRIED_EVIDENCE)
             self.context_score.learned(learned.context.capped(CARRIED_EVIDENCE))
             self.realized = copy.deepcopy(learned.realized)
-            self.row_cost, self.final_cost = learned.row_cost, learned.final_cost
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
