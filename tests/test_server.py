@@ -197,17 +197,16 @@ def test_full_queue_answers_429_and_disconnects_free_the_engine(
                 assert error["code"] == "queue_full" and "queue" in error["message"]
                 assert full.headers["retry-after"] == "1"
                 next(stream.iter_lines())  # the client reads a little, then goes away
-            closed = time.monotonic()
             served = waiting.result(timeout=TIMEOUT)
-            assert time.monotonic() - closed < 5  # the long generation was abandoned
         assert served.status_code == 200 and served.json()["choices"][0]["text"] == expected
+        # the long generation was dropped unfinished: only the short one's tokens are counted
+        assert "delspec_generated_tokens_total 4.0" in http.get("/metrics").text
 
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
             http.post(TEXT, json=long, timeout=0.5)
-        started = time.monotonic()
         assert http.post(TEXT, json=short).json()["choices"][0]["text"] == expected
-        assert time.monotonic() - started < 5
         metrics = http.get("/metrics").text
+        assert "delspec_generated_tokens_total 8.0" in metrics
         assert f'delspec_requests_total{{endpoint="{TEXT}",status="429"}} 1.0' in metrics
 
 
