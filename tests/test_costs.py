@@ -117,6 +117,8 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     assert first.context > 0 and len(first.layer_slope) == 4
     assert all(t >= 0 for t in first.layer_slope) and first.draft_layer_slope >= 0
     assert all(t >= 0 for t in first.draft_head)  # a pass and the head, less a pass alone
+    rows = [MeasuredCost(first, head.model.num_layers).plain_seconds(k) for k in range(1, 5)]
+    assert rows == sorted(rows)  # verifying more rows never reads as cheaper
     measured = CountingHead.calls
     again = cached_profile(head, 2, 4, tmp_path)
     assert CountingHead.calls == measured and again == first

@@ -35,7 +35,7 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 
 
 class LayerCost:
@@ -275,23 +275,27 @@ def measure_profile(
                 h = states[:k]
                 runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
             runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
-            # a plain step as decoding runs it, the head's weights just read before the layers
-            # (timed alone, one row through the layers found the caches as the previous run
-            # left them, and came out 30% slower than in a decode loop on SmolLM2)
-            runs["step", at] = lambda at=at: model.head(model.run_layers(one, at, 0, layers))
         for k in every:
-            runs["head", k] = lambda h=states[:k]: model.head(h)
+            h = states[:k]
+            runs["head", k] = lambda h=h: model.head(h)
+            # k rows as a plain step or a verification runs them: the head's weights read just
+            # after the layers' (each timed alone found the caches as its previous run left
+            # them: one row through the layers came out 30% slower than in a decode loop on
+            # SmolLM2, and a head alone up to 2x faster, so that verifying 2 rows read cheaper
+            # than a plain step)
+            runs["rows", k] = lambda h=h: model.head(model.run_layers(h, context, 0, layers))
         seconds, settled = settled_seconds(runs, repeats, model.device)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     span = max(far - context, 1)
     head = [seconds["head", k] for k in every]
-
-    def one_row(at: int) -> float:  # a layer's share of a plain step, less the head
-        return max(seconds["step", at] - head[0], 0.5 * seconds["layer", at, 1]) / layers
-
-    near = [one_row(context) if k == 1 else seconds["layer", context, k] / layers for k in every]
-    far_s = {k: one_row(far) if k == 1 else seconds["layer", far, k] / layers for k in sampled}
-    measured = [far_s[k] - near[k - 1] for k in sampled]
+    # k rows with the head (the layers at least half of what they take alone), no less than
+    # fewer rows: a round that verifies more never reads as cheaper
+    rows = np.maximum.accumulate(
+        [max(seconds["rows", k], head[k - 1] + 0.5 * seconds["layer", context, k]) for k in every]
+    )
+    near = [(rows[k - 1] - head[k - 1]) / layers for k in every]  # a layer's share of k rows
+    # per layer, what `far` positions add to the same rows after `context` (layers alone)
+    measured = [(seconds["layer", far, k] - seconds["layer", context, k]) / layers for k in sampled]
     deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
     drafted = seconds["drafted", context] / layers
     return CostProfile(
