@@ -227,7 +227,8 @@ def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
     assert layer_plan.exit_layer == 2 and layer_plan.draft_cap > 0
     assert policy.plan(PROPOSAL) == layer_plan
     # a short proposal that is always right: it is drafted, then layer 2 drafts after it
-    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS)
+    # (prior=1: the proposals' 12 rounds are not outweighed by CONTEXT_PRIOR's unseen misses)
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan(ContextProposal([11], 2))
     assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
 

@@ -75,12 +75,16 @@ class ExitStatistics:
         counts[2], counts[3] = confidence * counts[0], confidence * counts[1]
         counts[4, :, :-1] = hit[:, :-1] & valid[..., 1:]  # a match, then a valid neighbour
         counts[5, :, :-1] = counts[4, :, :-1] * match[:, 1:]  # ... that matched too
-        add = counts.sum(-1)
+        self.add(counts.sum(-1), rows)
+
+    def add(self, sums: Any, rows: Any = None) -> None:
+        """Decay, then add one round's six sums (`[6, rows]`, in the order of `sums`' rows) for
+        the candidates `rows` (default: all); the others keep their statistics undecayed."""
         if rows is None:
-            self.sums = self.omega * self.sums + add
+            self.sums = self.omega * self.sums + sums
         else:
             rows = np.asarray(rows)
-            self.sums[:, rows] = self.omega * self.sums[:, rows] + add
+            self.sums[:, rows] = self.omega * self.sums[:, rows] + sums
 
     def alpha(self, prior: float = 0.0) -> Array:
         """Estimated acceptance rate A / (A + B + prior); 0 for a layer without data.

@@ -31,6 +31,12 @@ REALIZED_ROUNDS = 3.0  # (decayed) rounds of exit-layer drafts before their real
 PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step delivers now
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
 CARRIED_EVIDENCE = 8.0  # the most (decayed) positions a generation's carried statistics cover
+MIN_CHANCE = 0.01  # a context draft token less likely than this to be accepted is not drafted
+# Unseen misses counted for each context match order (under the default `prior`): a match
+# order's first tokens are seen once per proposal, not at every position as a layer's are, and
+# what a previous reply carried over (code: single-token matches often right) can be far from
+# this one's (chat: rarely); with 1, such drafts kept being made on short replies.
+CONTEXT_PRIOR = 3.0
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -89,7 +95,8 @@ class FastDynamicExit(DynamicExit):
       no model cost), as a context draft alone, or one extended by exit-layer drafts. Each
       round's proposal is scored against the tokens the sequence then commits (the verifier's,
       so exact under greedy decoding and unbiased under sampling), whether it was drafted or
-      not: decayed acceptance statistics per match order, like a layer's, at no model cost.
+      not: decayed acceptance statistics per match order, like a layer's, at no model cost
+      (with `CONTEXT_PRIOR` unseen misses under the default `prior`).
       The round takes whichever of the layer plan, the context draft (its best length) and the
       extended draft promises the most tokens per measured second (a context draft, like a
       layer draft, must beat a plain step by the margin).
@@ -119,6 +126,7 @@ class FastDynamicExit(DynamicExit):
         o = options
         measured = o.cost == "measured"
         self.prior = (1.0 if measured else 0.0) if o.prior is None else o.prior
+        self.context_prior = CONTEXT_PRIOR if o.prior is None else o.prior
         self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
         self.cost_name, self.no_draft, self.shadow_budget = o.cost, o.no_draft, o.shadow_budget
         self.runs, self.min_evidence = o.runs, o.min_evidence
@@ -153,7 +161,7 @@ class FastDynamicExit(DynamicExit):
         # looked at again (`_recheck`; below 0: none is)
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
-        self.context_score = _ContextScore(self.omega, self.prior)
+        self.context_score = _ContextScore(self.omega, self.context_prior)
         self.realized = _Realized()
         self.collect_hidden = True
         if learned is not None and self._worth_carrying(learned.stats):
@@ -197,6 +205,8 @@ class FastDynamicExit(DynamicExit):
         first, then = self.context_score.acceptance(order)
         best, value, expected, best_expected, chance = 0, 0.0, 1.0, 1.0, first
         for k in range(1, len(tokens) + 1):  # draft the first k context tokens
+            if chance < MIN_CHANCE:  # adds under 1% of a token, for another row to verify
+                break
             expected += chance
             chance *= then
             tokens_per_s = expected / cost.plain_seconds(k + 1)
@@ -521,7 +531,7 @@ class _ContextScore:
         self.proposal = NO_PROPOSAL
         settled, still = [], []
         for index, proposal in self.pending:
-            outcome = _settled(proposal.tokens, self.committed_tokens[index:])
+            outcome = _settled(proposal.tokens, self.committed_tokens, index)
             if outcome is None:
                 still.append((index, proposal))
             else:
@@ -532,33 +542,34 @@ class _ContextScore:
 
     def count(self, settled: list[tuple[int, list[bool]]]) -> None:
         """Add settled proposals, (match order, whether each token matched up to and including
-        the first miss), in one update: side by side, a gap (invalid) between them."""
+        the first miss), in one update of the orders they have (confidence 1 for every token)."""
         orders = sorted({order for order, _ in settled})
-        rows = {order: i for i, order in enumerate(orders)}
-        width = sum(len(outcome) + 1 for _, outcome in settled)
-        match = np.zeros((2 * len(orders), width), dtype=bool)
-        valid = np.zeros_like(match)
-        at = 0
+        width = len(orders)
+        sums = [[0.0] * (2 * width) for _ in range(6)]  # ExitStatistics' six rows
         for order, outcome in settled:
-            first, every = rows[order], len(orders) + rows[order]
-            match[first, at], valid[first, at] = outcome[0], True
-            match[every, at : at + len(outcome)], valid[every, at : at + len(outcome)] = (
-                outcome,
-                True,
-            )
-            at += len(outcome) + 1
-        first_rows = [order - MIN_NGRAM for order in orders]
-        every_rows = [self.ORDERS + row for row in first_rows]
-        self.stats.update(match, np.ones(match.shape), valid, first_rows + every_rows)
+            first, every = orders.index(order), width + orders.index(order)
+            hit = float(outcome[0])
+            for row in (0, 2):
+                sums[row][first] += hit
+                sums[row + 1][first] += 1.0 - hit
+            hits = float(sum(outcome))
+            for row in (0, 2):
+                sums[row][every] += hits
+                sums[row + 1][every] += len(outcome) - hits
+            pairs = list(zip(outcome, outcome[1:], strict=False))
+            sums[4][every] += sum(1.0 for before, _ in pairs if before)
+            sums[5][every] += sum(1.0 for before, after in pairs if before and after)
+        rows = [order - MIN_NGRAM for order in orders]
+        self.stats.add(np.asarray(sums), rows + [self.ORDERS + row for row in rows])
         self.rates = None
 
 
-def _settled(proposed: list[int], actual: list[int]) -> list[bool] | None:
-    """Whether each proposed token matched, up to and including the first miss, once `actual`
-    (the tokens committed from the proposal's first position on) decides it; else None."""
+def _settled(proposed: list[int], committed: list[int], start: int) -> list[bool] | None:
+    """Whether each proposed token matched, up to and including the first miss, once the
+    tokens `committed` from index `start` on decide it; else None."""
     outcome = []
-    for want, got in zip(proposed, actual, strict=False):
-        outcome.append(want == got)
-        if want != got:
+    for want, at in zip(proposed, range(start, len(committed)), strict=False):
+        outcome.append(want == committed[at])
+        if not outcome[-1]:
             return outcome
     return outcome if len(outcome) == len(proposed) else None
