@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 import weakref
 from dataclasses import dataclass
@@ -556,7 +557,7 @@ class _ContextScore:
             for row in (0, 2):
                 sums[row][every] += hits
                 sums[row + 1][every] += len(outcome) - hits
-            pairs = list(zip(outcome, outcome[1:], strict=False))
+            pairs = list(itertools.pairwise(outcome))
             sums[4][every] += sum(1.0 for before, _ in pairs if before)
             sums[5][every] += sum(1.0 for before, after in pairs if before and after)
         rows = [order - MIN_NGRAM for order in orders]
