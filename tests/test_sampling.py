@@ -16,7 +16,7 @@ from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.errors import ConfigError
 from delspec.policies import make_policy
-from delspec.sampling import Sampling
+from delspec.sampling import Sampling, greedy_tokens
 
 VOCAB, NEW, SAMPLES = 6, 3, 2000
 SIGNIFICANCE = 0.001  # a correct sampler fails this test with probability 0.1%
@@ -43,6 +43,18 @@ def test_top_k_and_top_p_filter():
     assert Sampling(1.0, top_p=0.81).probs(logits).tolist() == pytest.approx(
         [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_tokens_are_torch_argmax_with_the_first_of_ties(dtype):
+    scores = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    scores[1, [7, 300, 40000]] = 50.0  # a tie: the first index wins
+    scores[2] = 0.0  # all equal
+    strided = scores[:, ::3]  # not contiguous
+    for x in (scores, strided, scores[3], scores[1:2]):
+        got = greedy_tokens(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    assert greedy_tokens(scores)[1:3].tolist() == [7, 0]
 
 
 def exact_distribution(model, prompt, sampling):

@@ -29,7 +29,7 @@ from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.errors import ConfigError
 from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.model import Transformer
-from delspec.sampling import Sampling, draw, speculative_accept
+from delspec.sampling import Sampling, draw, greedy_tokens, speculative_accept
 
 
 class ExitHead:
@@ -211,7 +211,7 @@ class Engine:
         if collect:
             w = min(window, len(prompt) - 1)
             hidden = torch.stack([h[-w:] for h in collect])
-            self._context = (hidden, model.head(hidden[-1]).argmax(-1))
+            self._context = (hidden, greedy_tokens(model.head(hidden[-1])))
 
     def begin(self, prompt: list[int], capacity: int) -> None:
         """Start a sequence whose prompt (all but its last token) the caller runs through every
@@ -376,7 +376,7 @@ class Engine:
     def _accept(self, logits: Tensor, draft: _Draft) -> tuple[Tensor, int, int]:
         """The greedy targets after each position, how many drafts are accepted, and the token
         that follows them (the target's, or one drawn by speculative sampling)."""
-        targets = logits.argmax(-1)
+        targets = greedy_tokens(logits)
         n = len(draft.tokens)
         if self.sampling.greedy:
             target_list = targets.tolist()
@@ -399,7 +399,7 @@ class Engine:
         vocab = self.exit_head.vocabs[level]
         if self.sampling.greedy:
             probs = torch.softmax(logits, -1, dtype=_float(logits.dtype))
-            column = int(probs.argmax())
+            column = int(greedy_tokens(probs))
         else:
             probs = self.sampling.probs(logits)
             column = draw(probs, self.generator)
