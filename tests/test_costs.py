@@ -50,6 +50,20 @@ def test_measured_cost_by_hand():
     assert grid[1, 2].item() == pytest.approx(10.5 + 5 + 10 + 0.5)
 
 
+def test_policy_work_is_charged_by_the_kind_of_round():
+    """Rounds that draft from a layer carry the policy's `layer_overhead`, the others (plain
+    steps, context drafts alone) its `overhead`: grid, one cell and plain rows agree."""
+    cost = MeasuredCost(profile([1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6, 0.25), LAYERS)
+    bare = cost.grid(EXITS, LENGTHS)
+    cost.overhead, cost.layer_overhead = 0.1, 0.7
+    grid = cost.grid(EXITS, LENGTHS)
+    assert grid[:, 0] - bare[:, 0] == pytest.approx([0.1] * 3)
+    assert grid[:, 1:] - bare[:, 1:] == pytest.approx(np.full((3, 5), 0.7))
+    assert cost.round_seconds(5, 2, 0, 0) == pytest.approx(grid[1, 2])
+    assert cost.round_seconds(0, 0, 0, 2) == pytest.approx(cost.plain_seconds(3))
+    assert cost.plain_seconds(3) == pytest.approx(10 * 2.0 + 0.5 + 0.1)
+
+
 def test_rounds_cost_more_further_into_a_sequence():
     """Each position of context adds the profile's slope to every layer timing: a plain step
     after 100 more positions costs 10 layers * 100 * slope more."""
@@ -150,15 +164,14 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     monkeypatch.setattr(CostCheck, "said", False)  # said once per process
     layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
     cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
-    cost.overhead = 0.5  # policy time: not in the rounds' measured seconds
     check = CostCheck(cost, window=16)
     # within [0.7, 1.4] of the prediction: noise, nothing changes
     for ratio in [0.8, 1.3] * 20:
-        assert check.observe(11.0, 10.5 * ratio, drafted=False) is None
+        assert check.observe(10.5, 10.5 * ratio, drafted=False) is None
     assert cost.profile.layer == layer
     # plain steps 2.3x slower than predicted for a sustained stretch (3/4 of the window of 16):
     # every timing scaled
-    factors = [check.observe(11.0, 10.5 * 2.3, drafted=False) for _ in range(12)]
+    factors = [check.observe(10.5, 10.5 * 2.3, drafted=False) for _ in range(12)]
     assert factors[:11] == [None] * 11 and factors[11] == pytest.approx(2.3)
     assert cost.profile.layer == pytest.approx([t * 2.3 for t in layer])
     assert cost.profile.head == pytest.approx([t * 2.3 for t in head])
@@ -166,7 +179,7 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     assert "disagreed with measured rounds (x2.3); corrected" in capsys.readouterr().err
     # drafting rounds 2x faster than predicted: only what plain steps do not use
     for _ in range(16):
-        check.observe(20.0 + 0.5, 10.0, drafted=True)
+        check.observe(20.0, 10.0, drafted=True)
     assert cost.profile.layer[0] == pytest.approx(2.3) and cost.profile.head[0] == 0.5 * 2.3
     assert cost.profile.layer[1] == pytest.approx(1.5 * 2.3 * 0.5)
     assert cost.profile.draft_layer == pytest.approx(2.3 * 0.5)

@@ -374,3 +374,16 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     alone = make_policy("del-fast", model.num_layers, remember=False)  # opted out: a warm-up
     got = decode_tokens(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True)
     assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0
+
+
+def test_policy_work_is_noted_apart_for_rounds_with_layer_drafts():
+    """Counting a layer's drafts and choosing again cost more than a plain round's bookkeeping:
+    each kind of round charges its own decayed overhead to the cost model."""
+    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0, shadow_budget=0.01)
+    policy.in_warmup = False
+    cost = policy.cost
+    policy.observe(Round(10, 0, [], [], 0, [7], torch.tensor([7])))
+    assert cost.overhead > 0 and cost.layer_overhead == 0
+    plain = cost.overhead
+    policy.observe(Round(11, 8, [3, 4], [0.9, 0.9], 2, [3, 4, 5], torch.tensor([3, 4, 5])))
+    assert cost.layer_overhead > 0 and cost.overhead == plain

@@ -99,7 +99,13 @@ class CostProfile:
 
 
 class MeasuredCost:
-    """Round cost in seconds from a `CostProfile`, plus a per-round policy overhead.
+    """Round cost in seconds from a `CostProfile`, plus the policy's own work per round.
+
+    That work is kept apart for rounds that draft from an exit layer (`layer_overhead`) and
+    the others (`overhead`): counting a layer's drafts and choosing the plan again cost several
+    times a plain step's bookkeeping (0.6-0.9 ms against 0.05-0.15 ms on SmolLM2), a good share
+    of what a one-token layer draft saves, and one figure for both made layer drafts look
+    cheaper and plain steps dearer than they are.
 
     Drafting d tokens with exit layer l and vocabulary level v costs
     d * (l * draft_layer + draft_head[v]). Verification
@@ -118,12 +124,14 @@ class MeasuredCost:
     def __init__(self, profile: CostProfile, num_layers: int) -> None:
         self.profile = profile
         self.num_layers = num_layers
-        self.overhead = 0.0  # seconds of policy work per round, updated by the policy
+        # seconds of policy work per round without and with exit-layer drafts (the policy's)
+        self.overhead = self.layer_overhead = 0.0
         self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
         self.position = profile.context
         self._layer, self._draft_layer = profile.layers_at(self.position)
-        # per grid asked for: its seconds at the profile's context and per position further on
-        self._grids: dict[tuple, tuple[Array, Array]] = {}
+        # per grid asked for: its seconds at the profile's context and per position further on,
+        # and which of its columns draft from a layer
+        self._grids: dict[tuple, tuple[Array, Array, Array]] = {}
         self._cells: dict[tuple, tuple[float, float]] = {}  # the same for `round_seconds`
 
     def at(self, position: int) -> None:
@@ -155,9 +163,11 @@ class MeasuredCost:
         key = (exits, tuple(np.asarray(draft_lengths).tolist()), chosen, context)
         parts = self._grids.get(key)
         if parts is None:
-            parts = self._grids[key] = self._grid_parts(*key)
-        base, per_position = parts
-        return self._here(base, per_position)
+            drafts = np.asarray(key[1])[None, :] > 0  # columns of rounds with layer drafts
+            parts = self._grids[key] = (*self._grid_parts(*key), drafts)
+        base, per_position, drafts = parts
+        overhead = np.where(drafts, self.layer_overhead, self.overhead)
+        return self._here(base, per_position, overhead)
 
     def _grid_parts(
         self, exits: Ints, lengths: Ints, levels: Ints, context: int
@@ -178,11 +188,15 @@ class MeasuredCost:
         if parts is None:
             base, per_position = self._grid_parts([exit_layer], [drafted], [level], context)
             parts = self._cells[key] = (float(base[0, 0]), float(per_position[0, 0]))
-        return self._here(*parts)
+        return self._here(*parts, self.overhead_of(drafted > 0))
 
-    def _here(self, base: Any, per_position: Any) -> Any:
-        """Seconds (a grid's or one cell's) moved to the current position, with the overhead."""
-        return base + max(self.position - self.profile.context, 0) * per_position + self.overhead
+    def overhead_of(self, layer_drafts: bool) -> float:
+        """The policy's seconds per round with or without exit-layer drafts."""
+        return self.layer_overhead if layer_drafts else self.overhead
+
+    def _here(self, base: Any, per_position: Any, overhead: Any) -> Any:
+        """Seconds (a grid's or one cell's) moved to the current position, with `overhead`."""
+        return base + max(self.position - self.profile.context, 0) * per_position + overhead
 
     def _seconds(
         self,
@@ -446,13 +460,12 @@ class CostCheck:
             record.exit_layer if d else 0, d, record.level if d else 0, record.from_context
         )
         actual = record.draft_s + record.verify_s
-        return self.observe(predicted, actual, bool(record.drafted))
+        return self.observe(predicted - self.cost.overhead_of(d > 0), actual, bool(record.drafted))
 
-    def observe(self, predicted: float, actual: float, drafted: bool) -> float | None:
-        """Record one round: `predicted` seconds (the cost's grid, with its overhead), `actual`
-        seconds (drafting and verification). Returns the factor the profile was scaled by, or
-        None."""
-        model_s = predicted - self.cost.overhead
+    def observe(self, model_s: float, actual: float, drafted: bool) -> float | None:
+        """Record one round: `model_s` seconds predicted by the profile (the cost's grid
+        without the policy's overhead), `actual` seconds (drafting and verification). Returns
+        the factor the profile was scaled by, or None."""
         if model_s <= 0 or actual <= 0:
             return None
         ratios = self.ratios[drafted]

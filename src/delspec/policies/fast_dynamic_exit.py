@@ -59,7 +59,8 @@ class FastDynamicExit(DynamicExit):
     """DEL with del-fast's additions, each an option (all off in the paper's DEL):
 
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured overhead per round. d* also
+      this device (`delspec.costs`) plus the policy's own measured work per round (apart for
+      rounds that draft from a layer, whose bookkeeping costs several times more). d* also
       caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
       and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
       a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
@@ -237,8 +238,6 @@ class FastDynamicExit(DynamicExit):
             self.cost.check.observe_round(record)
             self.cost.at(record.position + len(record.tokens))  # where the next round starts
         self.context_score.committed(record)
-        if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
-            self.realized.add(record, getattr(self.cost, "overhead", 0.0))
         if self.shadow_budget is not None:
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         rows, positions = self._scope(record)
@@ -269,10 +268,20 @@ class FastDynamicExit(DynamicExit):
                 self.credit -= self.final_cost
         self._recheck(changed)
         elapsed = time.perf_counter() - start
-        if isinstance(self.cost, MeasuredCost) and not in_warmup:
-            self.cost.overhead = 0.9 * self.cost.overhead + 0.1 * elapsed
+        if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
+            self.realized.add(record, elapsed)
+            if isinstance(self.cost, MeasuredCost):
+                self._note_overhead(len(record.drafted) > record.from_context, elapsed)
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
+
+    def _note_overhead(self, layer_drafts: bool, seconds: float) -> None:
+        """Decayed mean of the policy's seconds per round, for rounds with or without
+        exit-layer drafts (the first of a kind taken as it is)."""
+        cost = self.cost
+        name = "layer_overhead" if layer_drafts else "overhead"
+        old = getattr(cost, name)
+        setattr(cost, name, 0.9 * old + 0.1 * seconds if old else seconds)
 
     def _scope(self, record: Round) -> tuple[Tensor | None, Tensor | None]:
         """Candidate rows and record positions to score this round (None, None: skip)."""
@@ -452,7 +461,7 @@ class _Realized:
 
     def add(self, record: Round, overhead: float) -> None:
         """Count a finished round (of either kind; a context-only round only decays them),
-        with the policy's `overhead` seconds."""
+        with the `overhead` seconds the policy spent on it."""
         for sums in self.sums.values():
             sums[:] = [self.decay * value for value in sums]
         if len(record.drafted) > record.from_context:
