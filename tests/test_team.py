@@ -3,15 +3,23 @@ together, then whichever of the full team and one thread measures faster."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
+import pytest
 import torch
 
-from delspec.kernels.team import EXPLORE, WINDOW, Team
+from delspec.kernels import team as team_module
+from delspec.kernels.team import EXPLORE, WINDOW, Team, free_cores
 
 SHAPE = (1, 0, 30)
 
 
 def run(team: Team, calls: int, seconds: dict[int, float], slept: int) -> list[int]:
-    """`calls` layer calls that take `seconds[threads]` and report `slept` sleeping waits."""
+    """`calls` layer calls that take `seconds[threads]` and report `slept` sleeping waits (of
+    150)."""
     chosen = []
     for _ in range(calls):
         threads = team.threads(SHAPE)
@@ -29,6 +37,7 @@ def test_a_quiet_machine_always_runs_the_full_team(monkeypatch):
 
 def test_contention_runs_the_faster_size_and_keeps_trying_the_other(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(team_module, "free_cores", lambda: 2)  # trials find the cores free
     team = Team()
     chosen = run(team, 100, {1: 0.010, 2: 0.030}, slept=5)
     assert chosen[: WINDOW // 2] == [2] * (WINDOW // 2)  # contention is seen first
@@ -45,3 +54,33 @@ def test_contention_where_the_team_is_still_faster_keeps_it(monkeypatch):
     team = Team()
     late = run(team, 100, {1: 0.030, 2: 0.010}, slept=3)[50:]
     assert late.count(2) >= len(late) * (EXPLORE - 2) / EXPLORE
+
+
+def test_a_call_whose_waits_mostly_slept_goes_solo_at_once(monkeypatch):
+    """One call in which most barrier waits slept is contention enough: the next call runs on
+    one thread, and the full team is not tried again while other processes hold the cores."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    busy = [0]  # cores free of other processes' threads
+    monkeypatch.setattr(team_module, "free_cores", lambda: busy[0])
+    team = Team()
+    chosen = run(team, 100, {1: 0.010, 2: 0.030}, slept=140)
+    assert chosen[:2] == [2, 1] and chosen[1:] == [1] * 99  # no trial of the team: cores busy
+    assert team.other_threads() == 1
+    busy[0] = 2  # the other processes are gone: a trial, which no longer sleeps, and back
+    assert run(team, 50, {1: 0.010, 2: 0.004}, slept=0)[-20:] == [2] * 20
+
+
+def test_free_cores_counts_what_other_processes_leave():
+    free = free_cores()
+    if free is None:
+        pytest.skip("no /proc/loadavg here")
+    assert free <= (os.cpu_count() or 1)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 5
+        while free_cores() > (os.cpu_count() or 1) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the busy loop runs
+        assert free_cores() <= (os.cpu_count() or 1) - 1
+    finally:
+        hog.kill()
+        hog.wait()

@@ -188,7 +188,7 @@ class BlockWeight:
             None if index is None else index.data_ptr(),
             part.rows if index is None else len(index),
             out.data_ptr(),
-            torch.get_num_threads(),
+            TEAM.other_threads(),
         )
         _check(status, part.qtype)
 
