@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from test_costs import profile
 from tiny_models import tiny_model
@@ -387,3 +388,31 @@ def test_policy_work_is_noted_apart_for_rounds_with_layer_drafts():
     plain = cost.overhead
     policy.observe(Round(11, 8, [3, 4], [0.9, 0.9], 2, [3, 4, 5], torch.tensor([3, 4, 5])))
     assert cost.layer_overhead > 0 and cost.overhead == plain
+
+
+def test_the_confidence_stop_holds_only_while_drafts_under_it_miss():
+    """Drafting stops under the exit layer's threshold tau (the paper's rule) until drafts made
+    under tau are seen accepted often enough to pay; seen missing, the stop holds again."""
+    policy = _policy_with_counts([2, 5, 95], [8, 5, 5], no_draft=True, prior=0, shadow_budget=0.01)
+    policy.stats.confidence_matched = policy.stats.matched * 0.9
+    policy.stats.confidence_mismatched = policy.stats.mismatched * 0.3
+    policy._choose()
+    plan = policy.plan()
+    assert plan.exit_layer == 8 and plan.draft_cap >= 2
+    assert policy.tau_exit == pytest.approx(0.6)
+    assert policy.keep_drafting(0.7) and not policy.keep_drafting(0.4)
+
+    def drafted(confidences: list[float], accepted: int) -> None:
+        """A round of drafts from layer 8 with these confidences, `accepted` of them accepted."""
+        n = len(confidences)
+        tokens = [1] * accepted + [2]
+        targets = torch.tensor(tokens + [0] * (n + 1 - len(tokens)))
+        policy.observe(Round(20, 8, [1] * n, confidences, accepted, tokens, targets))
+
+    policy.in_warmup = False
+    for _ in range(4):  # each draft's last token under tau, and accepted
+        drafted([0.9, 0.4], 2)
+    assert policy.keep_drafting(0.4)
+    for _ in range(12):  # under tau and missed
+        drafted([0.9, 0.4], 1)
+    assert not policy.keep_drafting(0.4) and policy.keep_drafting(0.7)

@@ -33,6 +33,7 @@ PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step de
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
 CARRIED_EVIDENCE = 8.0  # the most (decayed) positions a generation's carried statistics cover
 MIN_CHANCE = 0.01  # a context draft token less likely than this to be accepted is not drafted
+MIN_BELOW = 3.0  # (decayed) drafts under the threshold seen before their acceptance counts
 # Unseen misses counted for each context match order (under the default `prior`): a match
 # order's first tokens are seen once per proposal, not at every position as a layer's are, and
 # what a previous reply carried over (code: single-token matches often right) can be far from
@@ -110,6 +111,13 @@ class FastDynamicExit(DynamicExit):
       go without layer drafts (context drafts still may), retrying one in `RETRY_EVERY`. While
       layer drafts run and no plain step is recent enough to compare with, one round is plain,
       to see (about one in 45 while drafts keep winning).
+    - The paper's stop under the exit layer's confidence threshold tau must earn its keep: the
+      exit layer's drafts made under tau are counted, accepted or not (decayed, per vocabulary
+      and layer), and once `MIN_BELOW` of them are seen and they are accepted often enough that
+      the plain-step seconds one saves cover what one more draft token adds to the round,
+      drafting goes on under tau (up to d*). Where confidence tells little (the final layer
+      over a pruned vocabulary: Gemma-3-270M drafted 1-2 tokens a round on continuations and
+      93% of them were accepted) the draft runs on; where it tells a miss, the stop holds.
     - `remember=True`: a generation starts from what the previous one with the same model, draft
       head and options learned (`_Learned`: the statistics of every layer and of the context
       drafts, the realized speeds, the measured cost with its corrections), instead of a
@@ -164,16 +172,22 @@ class FastDynamicExit(DynamicExit):
         self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.context_score = _ContextScore(self.omega, self.context_prior)
+        # per statistics row: exit-layer drafts made under the threshold tau, accepted or not
+        self.below = ExitStatistics(self.levels * len(self.candidates), self.omega)
+        self.below_pays = False  # whether the exit layer's drafts under tau pay (`_take`)
         self.realized = _Realized()
         self.collect_hidden = True
         if learned is not None and self._worth_carrying(learned.stats):
             self.stats = learned.stats.capped(CARRIED_EVIDENCE)
             self.context_score.learned(learned.context.capped(CARRIED_EVIDENCE))
+            self.below = learned.below.capped(CARRIED_EVIDENCE)
             self.realized = copy.deepcopy(learned.realized)
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
-        self.learned = _Learned(self.stats, self.context_score.stats, self.realized, self.cost)
+        self.learned = _Learned(
+            self.stats, self.context_score.stats, self.below, self.realized, self.cost
+        )
         self.learned.row_cost, self.learned.final_cost = self.row_cost, self.final_cost
         memory[key] = self.learned
 
@@ -251,6 +265,8 @@ class FastDynamicExit(DynamicExit):
                 self.credit -= 0.0 if in_warmup else scoring
         elif record.drafted:
             self._count_drafts(record)
+        if len(record.drafted) > record.from_context and self.dynamic_draft:
+            self._count_below(record)
         # the layers' statistics changed: scored, or drafted from (context drafts count apart)
         changed = rows is not None or len(record.drafted) > record.from_context
         final = self._final_row
@@ -382,6 +398,46 @@ class FastDynamicExit(DynamicExit):
         rows = self._level_rows([self.candidates.index(record.exit_layer)])
         self.stats.update(match[: self.levels], confidence, np.ones(seen, dtype=bool), rows)
 
+    def keep_drafting(self, confidence: float) -> bool:
+        """The paper's stop under the exit layer's threshold tau, unless this layer's drafts
+        under tau have been accepted often enough to pay for themselves (`below_pays`): where
+        confidence tells little (the final layer over a pruned vocabulary, whose misses are
+        tokens outside it), drafts stopped after 1-2 tokens that were accepted 93% of the time."""
+        return super().keep_drafting(confidence) or self.below_pays
+
+    def _count_below(self, record: Round) -> None:
+        """Count the round's exit-layer drafts made under tau, and whether each was accepted (up
+        to the first miss: whether later ones would have been is not known)."""
+        first = record.from_context
+        drafted = len(record.drafted) - first
+        if record.accepted < first:  # the context's drafts missed before the layer's
+            return
+        accepted = record.accepted - first
+        seen = min(accepted + 1, drafted)
+        confidence = np.asarray(record.confidences[first : first + seen])
+        under = confidence < self.tau_exit
+        if under.any():
+            row = record.level * len(self.candidates) + self.candidates.index(record.exit_layer)
+            match = np.arange(seen) < accepted
+            self.below.update(match[None], confidence[None], under[None], [row])
+
+    def _take(self, row: int, column: int) -> None:
+        super()._take(row, column)
+        self.below_pays = self._below_pays(row, column)
+
+    def _below_pays(self, row: int, column: int) -> bool:
+        """Whether a draft token under tau at statistics row `row`, with d* at `column`, is
+        accepted often enough (`MIN_BELOW` such drafts seen) that the plain-step seconds it
+        saves cover what one more draft token adds to the round."""
+        lengths = self.draft_lengths
+        if self.below.evidence()[row] < MIN_BELOW or lengths[column] == 0:
+            return False
+        seconds = self.cost.grid([self.exit_layer], lengths, [self.level])[0]
+        more = column + 1 if column + 1 < len(lengths) else column
+        added = float(seconds[more] - seconds[more - 1])
+        plain = float(seconds[self.plain_column]) if self.plain_column is not None else added
+        return float(self.below.alpha()[row]) * plain >= added
+
     def _recheck(self, changed: bool) -> None:
         """After a round: choose the plan again if the layers' statistics `changed`, or when a
         plain round put in place of layer drafts is due to be looked at again (`recheck_in`
@@ -438,6 +494,7 @@ class _Learned:
 
     stats: ExitStatistics
     context: ExitStatistics
+    below: ExitStatistics
     realized: _Realized
     cost: object  # MeasuredCost or LayerCost
     row_cost: float = 0.0  # measured seconds per scored (layer, position)
