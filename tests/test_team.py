@@ -70,6 +70,32 @@ def test_a_call_whose_waits_mostly_slept_goes_solo_at_once(monkeypatch):
     assert run(team, 50, {1: 0.010, 2: 0.004}, slept=0)[-20:] == [2] * 20
 
 
+def test_a_product_tries_the_full_team_on_busy_cores_and_keeps_it_where_faster(monkeypatch):
+    """A product has no barrier: while the layers run on one thread and other processes hold
+    every core, its trials of the full team still run, and a faster full team is kept."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(team_module, "free_cores", lambda: 0)
+    team = Team()
+    head = ("product", 49152, 576, 1)
+    seconds = {1: 0.017, 2: 0.013}
+    products = []
+    for _ in range(100):
+        run(team, 1, {1: 0.010, 2: 0.030}, slept=140)  # the layers: contended, one thread
+        threads = team.threads(head, barriers=False)
+        products.append(threads)
+        team.report(head, threads, seconds[threads], 0, 0)
+    assert team.other_threads() == 1  # the layers' choice, not the product's
+    assert products[-50:].count(2) >= 50 * (EXPLORE - 2) / EXPLORE
+    # where one thread is faster, the product keeps one and only tries the team now and then
+    seconds[2] = 0.040
+    late = []
+    for _ in range(100):
+        threads = team.threads(head, barriers=False)
+        late.append(threads)
+        team.report(head, threads, seconds[threads], 0, 0)
+    assert late[-50:].count(1) >= 50 * (EXPLORE - 2) / EXPLORE and 2 in late[1:]
+
+
 def test_free_cores_counts_what_other_processes_leave():
     free = free_cores()
     if free is None:

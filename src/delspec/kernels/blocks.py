@@ -10,6 +10,7 @@ with, so speculative verification of k tokens and k plain steps agree exactly.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -198,13 +199,16 @@ class BlockWeight:
         cols, matmul = self.cols, _library().dl_matmul
         out = torch.empty(*x.shape[:-1], self.rows)
         x_at, out_at, rows = flat.data_ptr(), out.data_ptr(), flat.numel() // cols
-        threads = TEAM.other_threads()
+        shape = ("product", self.rows, cols, rows)
+        threads = TEAM.threads(shape, barriers=False)
+        start = time.perf_counter()
         for qtype, tiles, part_rows, offset in self._calls:  # the hot path: no more
             status = matmul(
                 qtype, tiles, part_rows, cols, x_at, cols, rows, out_at + offset, self.rows, threads
             )
             if status:
                 _check(status, gguf.GGMLQuantizationType(qtype))
+        TEAM.report(shape, threads, time.perf_counter() - start, 0, 0)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

@@ -5,15 +5,18 @@ together. When other processes hold the cores, a thread can lose its core while 
 wait for it at a barrier; the layer calls report such waits (a wait that outlasted the waiting
 thread's own share of the work went to sleep, `layers.c`). While calls keep reporting them (or
 one call's waits mostly slept: its threads hardly ran together), each call shape (rows, layer
-range) runs with whichever of the full team and one thread has been faster lately for it
-(decayed means of measured seconds, a faster call taken at once), trying the other one call in
-`EXPLORE`, or in twice as many each time a trial does not change the choice (up to
-`MAX_EXPLORE`). A trial of the full team while one thread is faster waits until the cores look
-free (`free_cores`: what the other processes leave of them, read from the kernel's count of
-runnable threads where it has one): under another process's load such a trial costs several
-calls (each barrier a lost time slice: 15-23 ms against 4-13 ms for one thread, SmolLM2 on
-2 cores with a busy loop on each), and no trial is wanted before the load ends. No waits, no
-trials: on a quiet machine the team is always the full one.
+range; a product's weight and rows) runs with whichever of the full team and one thread has
+been faster lately for it (decayed means of measured seconds, a faster call taken at once),
+trying the other one call in `EXPLORE`, or in twice as many each time a trial does not change
+the choice (up to `MAX_EXPLORE`). A trial of the full team for layers while one thread is
+faster waits until the cores look free (`free_cores`: what the other processes leave of them,
+read from the kernel's count of runnable threads where it has one): under another process's
+load such a trial costs several calls (each barrier a lost time slice: 15-23 ms against 4-13
+ms for one thread, SmolLM2 on 2 cores with a busy loop on each). A product (the head) has no
+barrier, only the join at its end, so its trials need no free cores: under a busy loop per
+core its full team holds 2 of the 4 runnable threads where one thread holds 1 of 3 (Gemma-3-270M's
+head: 13 ms against 17). No waits, no trials: on a quiet machine the team is always the full
+one.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ class Team:
         one's waits mostly did."""
         return self.scattered or sum(self.recent) * 2 >= WINDOW
 
-    def threads(self, shape: tuple) -> int:
-        """Threads for a layer call of `shape`."""
+    def threads(self, shape: tuple, barriers: bool = True) -> int:
+        """Threads for a compiled call of `shape`: a layer call, or a product (no `barriers`)."""
         full = torch.get_num_threads()
         if full <= 1 or not self.contended():
             self.solo = False
@@ -78,38 +81,41 @@ class Team:
         elif 1 not in times:
             choice = 1
         elif full not in times:  # contended from the start (one call's waits mostly slept)
-            choice = full if count % EXPLORE == 0 and self._free_for(full) else 1
+            choice = full if count % EXPLORE == 0 and self._free_for(full, barriers) else 1
         else:
             best = min(times, key=times.__getitem__)
             at, interval, before = self.trials.get(shape, (count + EXPLORE, EXPLORE, best))
             if best != before:
                 at, interval = min(at, count + EXPLORE), EXPLORE
             choice = best
-            if count >= at and best != full and not self._free_for(full):
+            if count >= at and best != full and not self._free_for(full, barriers):
                 at = count + EXPLORE  # the cores are still busy: look again later
             elif count >= at:  # a trial of the other size
                 choice = 1 if best == full else full
                 interval = min(2 * interval, MAX_EXPLORE)
                 at = count + interval
             self.trials[shape] = (at, interval, best)
-        self.solo = choice == 1
+        if barriers:
+            self.solo = choice == 1
         return choice
 
     @staticmethod
-    def _free_for(threads: int) -> bool:
-        """Whether the cores look free enough for a team of `threads` (True where it cannot be
-        told)."""
+    def _free_for(threads: int, barriers: bool) -> bool:
+        """Whether the cores look free enough for a team of `threads` (True for a call without
+        barriers, and where it cannot be told)."""
+        if not barriers:
+            return True
         free = free_cores()
         return free is None or free >= threads
 
     def other_threads(self) -> int:
-        """Threads for the other compiled calls (products such as the head): one while the
+        """Threads for compiled calls not timed on their own (dequantising rows): one while the
         layers run on one."""
         return 1 if self.solo else torch.get_num_threads()
 
     def report(self, shape: tuple, threads: int, seconds: float, waits: int, slept: int) -> None:
-        """What a layer call of `shape` with `threads` measured: its seconds, and of its
-        barrier waits, how many slept."""
+        """What a compiled call of `shape` with `threads` measured: its seconds, and of its
+        barrier waits (none for a product), how many slept."""
         if threads > 1 and waits:
             self.recent.append(slept > 0)
             self.scattered = slept * 2 > waits
