@@ -11,7 +11,7 @@ from test_costs import profile
 from test_lossless import run
 from tiny_models import tiny_model
 
-from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.context_drafts import MIN_NGRAM, NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.costs import MeasuredCost
 from delspec.decode_config import StaticOptions
 from delspec.decoding import Decoding, decode_tokens
@@ -231,6 +231,36 @@ def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
     policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan(ContextProposal([11], 2))
     assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
+
+
+def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_now():
+    """The plan was chosen where the statistics last changed (or where the previous sequence
+    ended); a proposal is weighed at the position the round runs at. Each position adds to
+    every layer's time, so a plain step after 1000 positions costs 5/3 of one at the start, and
+    a one-token proposal right ~10% of the time pays there but not at the start."""
+    model = tiny_model(seed=0, num_layers=10)
+    proposal = ContextProposal([11], 2)
+
+    def plan_at(chosen_at: int, now: int) -> Plan:
+        policy = make_policy("del-fast", 10, candidates=[2, 5, 8], shadow_budget=None)
+        timings = profile([0.01 * (1 + 0.1 * k) for k in range(20)], [0.05] * 20)
+        timings.layer_slope = [1e-5] * 20
+        policy.cost = MeasuredCost(timings, 10)
+        policy.start(ExitHead(model))
+        policy.stats.matched = np.array([1.0, 1.0, 1.0])
+        policy.stats.mismatched = np.array([30.0, 30.0, 30.0])
+        first = proposal.order - MIN_NGRAM  # the order's first-token row
+        policy.context_score.stats.matched[first] = 10.5
+        policy.context_score.stats.mismatched[first] = 86.5  # 10.5 / (97 + 3 unseen) = 10.5%
+        policy.cost.at(chosen_at)
+        policy._choose()
+        policy.cost.at(now)
+        return policy.plan(proposal)
+
+    assert plan_at(1000, 1000).context == (11,)  # 2 rows cost 4% more than 1 there
+    assert plan_at(0, 0) == Plan(0, 0)  # 6.7% more: a 10.5% chance does not beat the margin
+    assert plan_at(1000, 0) == Plan(0, 0)  # chosen far on, weighed at the start
+    assert plan_at(0, 1000).context == (11,)
 
 
 def test_proposals_are_scored_against_the_committed_tokens():

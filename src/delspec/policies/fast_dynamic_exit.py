@@ -145,6 +145,7 @@ class FastDynamicExit(DynamicExit):
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = np.flatnonzero(self.draft_lengths == 0)
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
+        self.column = self.plain_column or 0  # the plan's draft length column (`_take`)
         if o.context_drafts:
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
@@ -169,7 +170,6 @@ class FastDynamicExit(DynamicExit):
         self.cursor = 0  # rotation over candidates under a shadow budget
         self.recheck_in = -1  # rounds until a plain round put in place of layer drafts is
         # looked at again (`_recheck`; below 0: none is)
-        self.plan_value = self.plain_value = 0.0  # tokens/s of the layer plan, of a plain step
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.context_score = _ContextScore(self.omega, self.context_prior)
         # per statistics row: exit-layer drafts made under the threshold tau, accepted or not
@@ -241,8 +241,20 @@ class FastDynamicExit(DynamicExit):
                 value = float(mixed[column])
                 cap = min(int(self.draft_lengths[column]), layer_plan.draft_cap)
                 choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
-        floor = max(self.plan_value, (1 + self.margin) * self.plain_value)
-        return choice if value > floor else layer_plan
+        return choice if value > self._floor(layer_plan) else layer_plan
+
+    def _floor(self, layer_plan: Plan) -> float:
+        """Tokens per second a round with context drafts must beat: `layer_plan`'s, and a plain
+        step's by the margin, where the sequence is now. `_choose` worked out its values where
+        the statistics last changed, or at the end of the previous sequence: a plain step
+        priced there (10% dearer on SmolLM2) let 1-token context drafts with a 4% chance
+        through, round after round of a chat reply."""
+        cost = self.cost
+        plain = (1 + self.margin) / cost.plain_seconds(1)
+        if not layer_plan.draft_cap or not self.layer_tokens:
+            return plain
+        seconds = cost.round_seconds(layer_plan.exit_layer, self.draft_length, layer_plan.level, 0)
+        return max(self.layer_tokens[self.column] / seconds, plain)
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
@@ -423,6 +435,7 @@ class FastDynamicExit(DynamicExit):
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
+        self.column = column
         self.below_pays = self._below_pays(row, column)
 
     def _below_pays(self, row: int, column: int) -> bool:
@@ -475,8 +488,6 @@ class FastDynamicExit(DynamicExit):
                 column = plain
                 waiting = self.recheck_in if self.recheck_in > 0 else RETRY_EVERY
                 self.recheck_in = 1 if verdict == "see" else waiting
-        self.plan_value = float(value[row, column])
-        self.plain_value = float(value[0, plain]) if plain is not None else 0.0
         if self.context_ngrams is not None:
             tokens = expected_tokens(
                 alpha[row : row + 1],
