@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead
+from delspec.engine import ExitHead, Round
 from delspec.exit_statistics import best_plan, expected_tokens
 
 LAYERS = 10
@@ -199,3 +199,46 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
     assert json.loads(path.read_text())["settled"] is False
     again = cached_profile(head, 2, 4, tmp_path)  # measured afresh, not the far-off file
     assert again.measured_at > measured.measured_at and again.settled in (True, False)
+
+
+def test_cost_check_corrects_the_rows_the_profile_got_wrong():
+    """Rounds verifying 2 rows that take 1.38x what the profile says (within the band the
+    sustained-stretch check lets pass), while plain steps timed in the same stretch take 1.1x,
+    scale the timings of 2 rows by about 1.38 / 1.1, and 3 rows then cost no less than 2;
+    drift alone (with 2 rows 5% off) changes nothing."""
+    layer, head = [1.0, 1.05, 1.1, 1.3, 1.5, 1.7], [0.5] * 6
+    cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
+    cost.profile.path = "measured"  # as if timed on this machine (hand-made ones are kept)
+    check = cost.check
+
+    def round_of(context: int, seconds: float) -> Round:
+        drafted = list(range(context))
+        return Round(
+            0,
+            0,
+            drafted,
+            [1.0] * context,
+            0,
+            [0],
+            torch.zeros(context + 1),
+            from_context=context,
+            verify_s=seconds,
+        )
+
+    plain, two = cost.plain_seconds(1), cost.plain_seconds(2)
+    for ratio in (1.2, 1.25, 1.15) * 4:  # drift: plain steps and 2 rows alike
+        check.observe_round(round_of(0, plain * ratio))
+        check.observe_round(round_of(1, two * ratio * 1.05))
+    assert check.row_corrections == [] and cost.plain_seconds(2) == two
+    for _ in range(30):
+        check.observe_round(round_of(0, plain * 1.1))
+        check.observe_round(round_of(1, two * 1.38))
+        if check.row_corrections:
+            break
+    ((rows, factor),) = check.row_corrections
+    assert rows == 2 and 1.15 < factor <= 1.38 / 1.1
+    assert check.corrections == []  # the profile as a whole was not off
+    assert cost.plain_seconds(2) == pytest.approx(two * factor)
+    assert cost.plain_seconds(1) == plain
+    assert cost.plain_seconds(3) >= cost.plain_seconds(2)  # 11.5 before, under 11.0 * 1.15
+    assert cost.grid([0], [0], context=1)[0, 0] == pytest.approx(cost.plain_seconds(2))
