@@ -81,14 +81,15 @@ class Team:
         elif 1 not in times:
             choice = 1
         elif full not in times:  # contended from the start (one call's waits mostly slept)
-            choice = full if count % EXPLORE == 0 and self._free_for(full, barriers) else 1
+            free = not barriers or self._free_for(full)
+            choice = full if count % EXPLORE == 0 and free else 1
         else:
             best = min(times, key=times.__getitem__)
             at, interval, before = self.trials.get(shape, (count + EXPLORE, EXPLORE, best))
             if best != before:
                 at, interval = min(at, count + EXPLORE), EXPLORE
             choice = best
-            if count >= at and best != full and not self._free_for(full, barriers):
+            if count >= at and best != full and barriers and not self._free_for(full):
                 at = count + EXPLORE  # the cores are still busy: look again later
             elif count >= at:  # a trial of the other size
                 choice = 1 if best == full else full
@@ -100,11 +101,9 @@ class Team:
         return choice
 
     @staticmethod
-    def _free_for(threads: int, barriers: bool) -> bool:
-        """Whether the cores look free enough for a team of `threads` (True for a call without
-        barriers, and where it cannot be told)."""
-        if not barriers:
-            return True
+    def _free_for(threads: int) -> bool:
+        """Whether the cores look free enough for a team of `threads` with barriers (True
+        where it cannot be told; a call without barriers needs no free core)."""
         free = free_cores()
         return free is None or free >= threads
 
