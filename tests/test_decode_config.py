@@ -158,6 +158,10 @@ def test_option_strings():
     assert parse_option("runs=True") == ("runs", True)
     assert parse_option("candidates=4/8") == ("candidates", [4, 8])
     assert parse_option("adapters=dir/a.safetensors") == ("adapters", "dir/a.safetensors")
+    assert parse_option("adapters=dir/full") == ("adapters", "dir/full")
+    # `full` stands for the whole vocabulary in a list of draft vocabulary sizes
+    assert parse_option("draft_vocab=4096/16384/full") == ("draft_vocab", [4096, 16384, "full"])
+    assert DecodeConfig().updated(draft_vocab=[4096, "full"]).draft.draft_vocab == (4096, None)
     for bad in ("E", "=3", "E="):
         with pytest.raises(ConfigError, match="expected key=value"):
             parse_option(bad)

@@ -359,12 +359,13 @@ def default_int8_draft(strategy: str, device: torch.device) -> bool:
 
 def parse_option(pair: str) -> tuple[str, Any]:
     """``key=value`` as (name, value): `OPTION_ALIASES` expand; a value is true/false, a
-    number, ``a/b/c`` of numbers (a list), or text (a value with ``/`` and text: a path)."""
+    number, ``a/b/c`` of numbers (a list, in which ``full`` may stand for the whole vocabulary:
+    ``draft_vocab=16384/65536/full``), or text (a value with ``/`` and other text: a path)."""
     key, sep, value = pair.partition("=")
     if not (sep and key and value):
         raise ConfigError(f"expected key=value, got {pair!r}")
     values = [_scalar(v) for v in value.split("/")]
-    if len(values) > 1 and any(isinstance(v, str) for v in values):
+    if len(values) > 1 and any(isinstance(v, str) and v != "full" for v in values):
         values = [value]  # a path such as adapters=dir/file, not a list
     return OPTION_ALIASES.get(key, key), values if len(values) > 1 else values[0]
 
