@@ -3,11 +3,12 @@ against hand-computed values."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from delspec.costs import LayerCost
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
+from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens, position_sums
 
 T, F = True, False
 
@@ -48,6 +49,37 @@ def test_continuation_counts_pairs_of_valid_neighbours():
     fresh = ExitStatistics(1)
     fresh.update(torch.tensor([[T]]), torch.ones(1, 1), torch.tensor([T]))  # no pair yet
     assert fresh.continuation(1.0).tolist() == fresh.alpha(1.0).tolist() == [0.5]
+
+
+def test_one_row_in_scalar_arithmetic_agrees_with_the_arrays():
+    """`add_to` and `rates` (one candidate, for a policy's per-round work) give what `add`,
+    `alpha` and `continuation` give, rows without data and without pairs included."""
+    rng = np.random.default_rng(0)
+    scalar, arrays = ExitStatistics(4, omega=0.9), ExitStatistics(4, omega=0.9)
+    for _ in range(5):
+        row, sums = int(rng.integers(0, 3)), rng.uniform(0, 3, 6)  # row 3 is never updated
+        scalar.add_to(row, sums.tolist())
+        arrays.add(sums[:, None], [row])
+    arrays.add(np.zeros((6, 1)), [3])  # decays nothing: row 3 stays empty
+    assert scalar.sums == pytest.approx(arrays.sums)
+    for prior in (0.0, 1.0, 3.0):
+        alpha, continuation = arrays.alpha(prior), arrays.continuation(prior)
+        for row in range(4):
+            assert scalar.rates(row, prior) == pytest.approx((alpha[row], continuation[row]))
+    assert scalar.rates(3) == (0.0, 0.0)
+
+
+def test_position_sums_are_what_update_adds_for_one_row():
+    rng = np.random.default_rng(1)
+    scalar, arrays = ExitStatistics(3, omega=0.8), ExitStatistics(3, omega=0.8)
+    for n in (1, 2, 5, 7):
+        match, valid = rng.random(n) < 0.6, rng.random(n) < 0.8
+        confidence, row = rng.random(n), n % 3
+        arrays.update(match[None], confidence[None], valid[None], [row])
+        scalar.add_to(row, position_sums(match.tolist(), confidence.tolist(), valid.tolist()))
+        assert scalar.sums == pytest.approx(arrays.sums)
+    every = position_sums([T, T, F], [0.5, 0.25, 1.0])  # all positions count by default
+    assert every == [2.0, 1.0, 0.75, 1.0, 2.0, 1.0]
 
 
 def test_expected_tokens_with_runs():

@@ -98,13 +98,6 @@ class CostProfile:
             if rows <= len(values):
                 values[rows - 1] *= factor
 
-    def layers_at(self, position: int) -> tuple[list[float], float]:
-        """`layer` and `draft_layer` after a context of `position` positions."""
-        extra = max(position - self.context, 0)
-        slopes = self.layer_slope or [0.0] * len(self.layer)
-        layer = [t + s * extra for t, s in zip(self.layer, slopes, strict=True)]
-        return layer, self.draft_layer + self.draft_layer_slope * extra
-
 
 class MeasuredCost:
     """Round cost in seconds from a `CostProfile`, plus the policy's own work per round.
@@ -136,7 +129,7 @@ class MeasuredCost:
         self.overhead = self.layer_overhead = 0.0
         self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
         self.position = profile.context
-        self._layer, self._draft_layer = profile.layers_at(self.position)
+        self._plain = self._plain_parts()
         # per grid asked for: its seconds at the profile's context and per position further on,
         # and which of its columns draft from a layer
         self._grids: dict[tuple, tuple[Array, Array, Array]] = {}
@@ -144,15 +137,22 @@ class MeasuredCost:
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
-        if position != self.position:
-            self.position = position
-            self._layer, self._draft_layer = self.profile.layers_at(position)
+        self.position = position
 
     def rescaled(self) -> None:
         """The profile's timings changed in place (`CostProfile.scale`): predict from them."""
-        self._layer, self._draft_layer = self.profile.layers_at(self.position)
+        self._plain = self._plain_parts()
         self._grids.clear()
         self._cells.clear()
+
+    def _plain_parts(self) -> list[tuple[float, float]]:
+        """Per row count k (from 1): the seconds of k rows through every layer and the full head
+        at the profile's context, and what each position further adds (`plain_seconds`)."""
+        p, layers = self.profile, self.num_layers
+        slopes = p.layer_slope or [0.0] * len(p.layer)
+        return [
+            (layers * t + h, layers * s) for t, h, s in zip(p.layer, p.head, slopes, strict=True)
+        ]
 
     def grid(
         self,
@@ -256,8 +256,8 @@ class MeasuredCost:
     def plain_seconds(self, rows: int) -> float:
         """Seconds of a round running `rows` positions through every layer and the full head:
         a plain step (1), or a context draft of `rows - 1` tokens and its verification."""
-        k = min(rows, len(self._layer)) - 1
-        return self.num_layers * self._layer[k] + self.profile.head[k] + self.overhead
+        base, per_position = self._plain[min(rows, len(self._plain)) - 1]
+        return self._here(base, per_position, self.overhead)
 
 
 def profile_key(exit_head: ExitHead) -> str:

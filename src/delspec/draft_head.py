@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,10 +68,12 @@ class DraftHead(ExitHead):
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
-        # the smallest level each token is in; len(levels) for none
-        self.level_of = torch.full((model.config.vocab_size,), len(levels) - full)
+        # the smallest level each token is in; len(levels) for none (numpy: `covered` looks up a
+        # few tokens most rounds, where each torch operation would cost several microseconds)
+        self.level_of = np.full(model.config.vocab_size, len(levels) - full)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
-            self.level_of[ranked[lo:hi].cpu()] = level
+            self.level_of[ranked[lo:hi].cpu().numpy()] = level
+        self.level_steps = np.arange(len(levels))[:, None]
         self.context_vocab = context_vocab and bool(pruned)
         self._pending: list[int] = []  # admitted tokens not yet in the vocabularies
         self.extras = [model.head_rows(ranked[:0])] * len(levels)
@@ -123,12 +126,11 @@ class DraftHead(ExitHead):
         return torch.cat([logits, self.model.project(n, extra)], -1)
 
     def covered(self, tokens: Tensor) -> Tensor:
-        levels = torch.arange(len(self.vocabs))[:, None]
-        ranked = self.level_of[tokens.cpu()][None, :] <= levels
-        if not self.context_vocab:
-            return ranked
-        seen = [t in self.context and t not in self.fresh for t in tokens.tolist()]
-        return ranked | torch.tensor(seen, dtype=torch.bool)[None, :]
+        ids = tokens.tolist()
+        ranked = self.level_of[ids][None, :] <= self.level_steps
+        if self.context_vocab:
+            ranked |= np.array([t in self.context and t not in self.fresh for t in ids], bool)
+        return torch.from_numpy(ranked)
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
         if not self.context_vocab:
@@ -175,7 +177,8 @@ class DraftHead(ExitHead):
             return
         ids, self._pending = torch.tensor(self._pending), []
         for level, base in enumerate(self.base_vocabs):
-            outside = ids[self.level_of[ids] > level].to(self.model.device)
+            outside = ids[torch.from_numpy(self.level_of[ids.numpy()] > level)]
+            outside = outside.to(self.model.device)
             if base is None or not len(outside):
                 continue
             self._vocabs[level] = torch.cat([self._vocabs[level], outside])

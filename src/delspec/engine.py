@@ -71,8 +71,9 @@ class ExitHead:
     @property
     def cheaper_at_final_layer(self) -> bool:
         """Whether a draft from the final layer costs less than a plain step (a pruned
-        vocabulary or int8 weights); otherwise it would be the plain step itself."""
-        return self.vocab is not None or self.int8
+        vocabulary or int8 weights); otherwise it would be the plain step itself. (Asks no
+        vocabulary for its tokens: a head widens them with a sequence's tokens when first asked.)"""
+        return self.vocab_sizes[0] < self.model.config.vocab_size or self.int8
 
     @property
     def vocab_sizes(self) -> list[int]:

@@ -8,6 +8,7 @@ list; the policy maps them to exit layers. Inputs may be numpy arrays or CPU ten
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,24 @@ class ExitStatistics:
             rows = np.asarray(rows)
             self.sums[:, rows] = self.omega * self.sums[:, rows] + sums
 
+    def add_to(self, row: int, values: Sequence[float]) -> None:
+        """`add` of one round's six sums (`position_sums`) for the one candidate `row`, in
+        scalar arithmetic: a policy updating a row or two every round would pay numpy's fixed
+        cost per operation several times over (a good share of its work in a decode step of a
+        small model)."""
+        omega = self.omega
+        old = self.sums[:, row].tolist()
+        self.sums[:, row] = [omega * kept + new for kept, new in zip(old, values, strict=True)]
+
+    def rates(self, row: int, prior: float = 0.0) -> tuple[float, float]:
+        """`alpha(prior)[row]` and `continuation(prior)[row]` of the one candidate `row`, in
+        scalar arithmetic (see `add_to`)."""
+        matched, mismatched, _, _, after_match, continued = self.sums[:, row].tolist()
+        total = matched + mismatched + prior
+        alpha = matched / total if total > 0 else 0.0
+        pairs = after_match + prior
+        return alpha, (continued + prior * alpha) / pairs if pairs > 0 else alpha
+
     def alpha(self, prior: float = 0.0) -> Array:
         """Estimated acceptance rate A / (A + B + prior); 0 for a layer without data.
 
@@ -118,6 +137,27 @@ class ExitStatistics:
             mismatched > 0, self.confidence_mismatched / np.maximum(mismatched, 1e-300), 0.0
         )
         return (high + low) / 2
+
+
+def position_sums(
+    match: Sequence[bool], confidence: Sequence[float], valid: Sequence[bool] | None = None
+) -> list[float]:
+    """The six sums `ExitStatistics.update` adds for one row of positions (`valid`: all by
+    default), in the order of `ExitStatistics.sums`' rows, in scalar arithmetic (see
+    `ExitStatistics.add_to`)."""
+    valid = [True] * len(match) if valid is None else valid
+    hit = [bool(m and v) for m, v in zip(match, valid, strict=True)]
+    miss = [bool(v and not m) for m, v in zip(match, valid, strict=True)]
+    # a match, then a valid neighbour (after_match); ... that matched too (continued)
+    after = [h and v for h, v in zip(hit, valid[1:], strict=False)]
+    return [
+        float(sum(hit)),
+        float(sum(miss)),
+        float(sum(c for c, h in zip(confidence, hit, strict=True) if h)),
+        float(sum(c for c, m in zip(confidence, miss, strict=True) if m)),
+        float(sum(after)),
+        float(sum(a and m for a, m in zip(after, match[1:], strict=False))),
+    ]
 
 
 def expected_tokens(alpha: Any, draft_lengths: Any, continuation: Any = None) -> Array:

@@ -155,7 +155,7 @@ class DynamicExit(Policy):
     def _choose(self) -> None:
         """The next (E, d*): the first maximum of expected tokens per layer load (TPL)."""
         alpha = self.stats.alpha()
-        self.alpha_trace = [round(a, 4) for a in alpha.tolist()]
+        self.alpha_trace = np.round(alpha, 4).tolist()
         value = expected_tokens(alpha, self.draft_lengths) / self.cost.grid(
             self.exit_layers, self.draft_lengths
         )

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextPro
 from delspec.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
+from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens, position_sums
 from delspec.policies.base import Plan
 from delspec.policies.dynamic_exit import DynamicExit
 
@@ -158,7 +157,7 @@ class FastDynamicExit(DynamicExit):
         elif self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
             self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
-        self.levels = len(exit_head.vocabs) if isinstance(self.cost, MeasuredCost) else 1
+        self.levels = len(exit_head.vocab_sizes) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
         self.row_levels = np.repeat(np.arange(self.levels), len(self.candidates))
         self.credit = 0.0  # seconds of shadow work the budget allows now
@@ -403,12 +402,13 @@ class FastDynamicExit(DynamicExit):
             return
         accepted = record.accepted - first
         seen = min(accepted + 1, len(record.drafted) - first)
-        match = np.arange(seen) < accepted
         drafted = torch.tensor(record.drafted[first : first + seen])
-        match = match[None] & self.exit_head.covered(drafted).numpy()
-        confidence = np.tile(record.confidences[first : first + seen], (self.levels, 1))
-        rows = self._level_rows([self.candidates.index(record.exit_layer)])
-        self.stats.update(match[: self.levels], confidence, np.ones(seen, dtype=bool), rows)
+        covered = self.exit_head.covered(drafted)[: self.levels].tolist()
+        confidence = record.confidences[first : first + seen]
+        row = self.candidates.index(record.exit_layer)
+        for level, held in enumerate(covered):
+            match = [i < accepted and h for i, h in enumerate(held)]
+            self.stats.add_to(row + level * len(self.candidates), position_sums(match, confidence))
 
     def keep_drafting(self, confidence: float) -> bool:
         """The paper's stop under the exit layer's threshold tau, unless this layer's drafts
@@ -426,12 +426,12 @@ class FastDynamicExit(DynamicExit):
             return
         accepted = record.accepted - first
         seen = min(accepted + 1, drafted)
-        confidence = np.asarray(record.confidences[first : first + seen])
-        under = confidence < self.tau_exit
-        if under.any():
+        confidence = record.confidences[first : first + seen]
+        under = [c < self.tau_exit for c in confidence]
+        if any(under):
             row = record.level * len(self.candidates) + self.candidates.index(record.exit_layer)
-            match = np.arange(seen) < accepted
-            self.below.update(match[None], confidence[None], under[None], [row])
+            match = [i < accepted for i in range(seen)]
+            self.below.add_to(row, position_sums(match, confidence, under))
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
@@ -443,13 +443,14 @@ class FastDynamicExit(DynamicExit):
         accepted often enough (`MIN_BELOW` such drafts seen) that the plain-step seconds it
         saves cover what one more draft token adds to the round."""
         lengths = self.draft_lengths
-        if self.below.evidence()[row] < MIN_BELOW or lengths[column] == 0:
+        matched, mismatched = self.below.sums[:2, row].tolist()
+        if matched + mismatched < MIN_BELOW or lengths[column] == 0:
             return False
         seconds = self.cost.grid([self.exit_layer], lengths, [self.level])[0]
         more = column + 1 if column + 1 < len(lengths) else column
         added = float(seconds[more] - seconds[more - 1])
         plain = float(seconds[self.plain_column]) if self.plain_column is not None else added
-        return float(self.below.alpha()[row]) * plain >= added
+        return self.below.rates(row)[0] * plain >= added
 
     def _recheck(self, changed: bool) -> None:
         """After a round: choose the plan again if the layers' statistics `changed`, or when a
@@ -464,11 +465,10 @@ class FastDynamicExit(DynamicExit):
         min_evidence and margin rules."""
         count = len(self.candidates)
         alpha = self.stats.alpha(self.prior)  # [levels * candidates]
-        self.alpha_trace = [round(a, 4) for a in alpha[:count].tolist()]  # once per update
+        self.alpha_trace = np.round(alpha[:count], 4).tolist()  # once per update
         continuation = self.stats.continuation(self.prior) if self.runs else None
-        value = expected_tokens(alpha, self.draft_lengths, continuation) / self.cost.grid(
-            self.exit_layers, self.draft_lengths, self.row_levels
-        )
+        expected = expected_tokens(alpha, self.draft_lengths, continuation)
+        value = expected / self.cost.grid(self.exit_layers, self.draft_lengths, self.row_levels)
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
             value[unproven] = value[unproven, self.plain_column][:, None]
@@ -489,12 +489,7 @@ class FastDynamicExit(DynamicExit):
                 waiting = self.recheck_in if self.recheck_in > 0 else RETRY_EVERY
                 self.recheck_in = 1 if verdict == "see" else waiting
         if self.context_ngrams is not None:
-            tokens = expected_tokens(
-                alpha[row : row + 1],
-                self.draft_lengths,
-                None if continuation is None else continuation[row : row + 1],
-            )
-            self.layer_tokens = tokens[0].tolist()
+            self.layer_tokens = expected[row].tolist()
         self._take(row, column)
 
 
@@ -572,7 +567,6 @@ class _ContextScore:
     def __init__(self, omega: float, prior: float) -> None:
         self.prior = prior
         self.stats = ExitStatistics(2 * self.ORDERS, omega)  # first-token rows, then all-token
-        self.rates: tuple[list[float], list[float]] | None = None  # (alpha, continuation)
         self.committed_tokens: list[int] = []  # since `origin`
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
@@ -580,17 +574,15 @@ class _ContextScore:
 
     def learned(self, stats: ExitStatistics) -> None:
         """Start from `stats` (a previous sequence's) instead of nothing."""
-        self.stats, self.rates = stats, None
+        self.stats = stats
 
     def acceptance(self, order: int) -> tuple[float, float]:
         """A proposal of this match order: the chance its first token is accepted, and that a
-        token after an accepted one is (worked out again only after the statistics changed)."""
-        if self.rates is None:
-            stats = self.stats
-            self.rates = stats.alpha(self.prior).tolist(), stats.continuation(self.prior).tolist()
-        alpha, continuation = self.rates
+        token after an accepted one is."""
         row = order - MIN_NGRAM
-        return alpha[row], continuation[self.ORDERS + row]
+        first, _ = self.stats.rates(row, self.prior)
+        _, then = self.stats.rates(self.ORDERS + row, self.prior)
+        return first, then
 
     def proposed(self, proposal: ContextProposal) -> None:
         """The round about to run had this proposal (drafted or not)."""
@@ -620,26 +612,16 @@ class _ContextScore:
 
     def count(self, settled: list[tuple[int, list[bool]]]) -> None:
         """Add settled proposals, (match order, whether each token matched up to and including
-        the first miss), in one update of the orders they have (confidence 1 for every token)."""
-        orders = sorted({order for order, _ in settled})
-        width = len(orders)
-        sums = [[0.0] * (2 * width) for _ in range(6)]  # ExitStatistics' six rows
+        the first miss), in one update of each row they touch (confidence 1 for every token)."""
+        sums: dict[int, list[float]] = {}  # row -> ExitStatistics' six sums
         for order, outcome in settled:
-            first, every = orders.index(order), width + orders.index(order)
-            hit = float(outcome[0])
-            for row in (0, 2):
-                sums[row][first] += hit
-                sums[row + 1][first] += 1.0 - hit
-            hits = float(sum(outcome))
-            for row in (0, 2):
-                sums[row][every] += hits
-                sums[row + 1][every] += len(outcome) - hits
-            pairs = list(itertools.pairwise(outcome))
-            sums[4][every] += sum(1.0 for before, _ in pairs if before)
-            sums[5][every] += sum(1.0 for before, after in pairs if before and after)
-        rows = [order - MIN_NGRAM for order in orders]
-        self.stats.add(np.asarray(sums), rows + [self.ORDERS + row for row in rows])
-        self.rates = None
+            first = order - MIN_NGRAM
+            for row, match in ((first, outcome[:1]), (self.ORDERS + first, outcome)):
+                add = position_sums(match, [1.0] * len(match))
+                into = sums.setdefault(row, [0.0] * 6)
+                into[:] = [kept + new for kept, new in zip(into, add, strict=True)]
+        for row, values in sums.items():
+            self.stats.add_to(row, values)
 
 
 def _settled(proposed: list[int], committed: list[int], start: int) -> list[bool] | None:
