@@ -533,10 +533,13 @@ class CostCheck:
         the factor the profile was scaled by, or None."""
         if model_s <= 0 or actual <= 0:
             return None
-        ratios = self.ratios[drafted]
-        ratios.append(actual / model_s)
+        ratios, ratio = self.ratios[drafted], actual / model_s
+        checked = len(ratios) == self.window  # the window without this ratio was (no correction)
+        ratios.append(ratio)
         if len(ratios) < self.window:
             return None
+        if checked and self.low <= ratio <= self.high and (drafted or self.plain_confirmed):
+            return None  # nothing more beyond the bounds than then, nothing left to confirm
         high = [r for r in ratios if r > self.high]
         low = [r for r in ratios if r < self.low]
         beyond = max(high, low, key=len)
