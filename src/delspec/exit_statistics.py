@@ -2,8 +2,10 @@
 
 Pure arithmetic over candidate exit layers, testable without a model, in numpy: a policy works
 on arrays of a few dozen values every round, where each torch operation's fixed cost (several
-microseconds) would add up to a good share of a decode step. Indices run over the candidate
-list; the policy maps them to exit layers. Inputs may be numpy arrays or CPU tensors.
+microseconds) would add up to a good share of a decode step. Where a round touches one row
+(`add_to`, `rates`, `position_sums`) it is scalar Python, for the same reason: numpy's fixed
+cost per operation. Indices run over the candidate list; the policy maps them to exit layers.
+Inputs may be numpy arrays or CPU tensors.
 """
 
 from __future__ import annotations
