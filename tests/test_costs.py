@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -199,6 +200,27 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
     assert json.loads(path.read_text())["settled"] is False
     again = cached_profile(head, 2, 4, tmp_path)  # measured afresh, not the far-off file
     assert again.measured_at > measured.measured_at and again.settled in (True, False)
+
+
+def test_a_correction_is_stored_for_the_next_process(tmp_path):
+    """A profile the rounds found 1.5x too fast (not far enough off to measure again) is read
+    back corrected, every vocabulary's draft head too, and as old as it was."""
+    model = tiny_model(seed=0)
+    measured = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
+    before = copy.deepcopy(measured)  # the correction scales `measured` in place
+    cost = MeasuredCost(measured, model.num_layers)
+    plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
+    for _ in range(cost.check.window):  # one full window of plain steps 1.5x the prediction
+        cost.check.observe(plain, plain * 1.5, drafted=False)
+    assert cost.check.corrections == pytest.approx([1.5])
+    again = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    assert again.layer == pytest.approx([t * 1.5 for t in before.layer])
+    assert again.head == pytest.approx([t * 1.5 for t in before.head])
+    assert again.draft_head == pytest.approx([t * 1.5 for t in before.draft_head])
+    assert (again.measured_at, again.settled) == (measured.measured_at, measured.settled)
+    both = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
+    assert both.draft_head == pytest.approx([t * 1.5 for t in pruned.draft_head])
 
 
 def test_cost_check_corrects_the_rows_the_profile_got_wrong():

@@ -406,16 +406,24 @@ def cached_profile(
     return profile
 
 
-def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
-    """A stored profile (without draft head timings) and its draft heads' timings; None when
-    missing, unreadable, of another version, older than a week (an hour when not settled), or
-    for fewer tokens."""
+def _parse_profile(path: Path) -> tuple[CostProfile, dict[str, list[float]]] | None:
+    """The profile stored at `path` (without draft head timings) and its draft heads' timings
+    per vocabulary; None when missing or unreadable."""
     try:
         stored = json.loads(path.read_text())
         draft_heads = dict(stored.pop("draft_heads"))
-        profile = CostProfile(**stored, draft_head=[])
+        return CostProfile(**stored, draft_head=[]), draft_heads
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
+    """`_parse_profile`, or None when of another version, older than a week (an hour when not
+    settled), or for fewer tokens."""
+    stored = _parse_profile(path)
+    if stored is None:
+        return None
+    profile, draft_heads = stored
     age = PROFILE_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
     fresh = time.time() - profile.measured_at < age
     if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
@@ -428,6 +436,20 @@ def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list
     stored = {k: v for k, v in asdict(profile).items() if k not in ("draft_head", "path")}
     text = json.dumps({**stored, "draft_heads": draft_heads})
     write_atomically(path, lambda scratch: scratch.write_text(text))
+
+
+def store_correction(path: str | Path, factor: float, multi_row_only: bool) -> None:
+    """Scale the profile stored at `path` as `CostProfile.scale(factor, multi_row_only)` scaled
+    it in memory (every vocabulary's draft head too), keeping when it was measured, so that the
+    next process starts from timings the rounds agreed with (a missing or unreadable file is
+    left alone)."""
+    stored = _parse_profile(Path(path))
+    if stored is None:
+        return
+    profile, draft_heads = stored
+    profile.scale(factor, multi_row_only)
+    scaled = {vocab: [t * factor for t in times] for vocab, times in draft_heads.items()}
+    _write_profile(Path(path), profile, scaled)
 
 
 def mark_stale(path: str | Path) -> None:
@@ -454,8 +476,10 @@ class CostCheck:
     timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
     window of plain steps has confirmed (or corrected) theirs. The window then starts
     afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
-    that the next run measures it again. The first correction in a process prints one line to
-    stderr.
+    that the next run measures it again; any other is stored in the file (`store_correction`), so
+    that the next process starts from it (an AMD EPYC's profile, timed in a loop, read a third
+    too fast for the rounds of every process, each correcting it anew). The first correction in a
+    process prints one line to stderr.
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
@@ -547,8 +571,8 @@ class CostCheck:
             self.plain_confirmed |= not drafted and not high and not low
             return None
         factor = statistics.median(beyond)
-        profile = self.cost.profile
-        profile.scale(factor, multi_row_only=drafted and self.plain_confirmed)
+        profile, multi_row_only = self.cost.profile, drafted and self.plain_confirmed
+        profile.scale(factor, multi_row_only)
         self.cost.rescaled()
         self.plain_confirmed |= not drafted
         ratios.clear()
@@ -565,4 +589,6 @@ class CostCheck:
         if (factor > self.extreme or factor < 1 / self.extreme) and profile.path:
             mark_stale(profile.path)
             profile.settled = False
+        elif profile.path:
+            store_correction(profile.path, factor, multi_row_only)
         return factor
