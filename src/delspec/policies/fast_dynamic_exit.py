@@ -405,10 +405,10 @@ class FastDynamicExit(DynamicExit):
         drafted = torch.tensor(record.drafted[first : first + seen])
         covered = self.exit_head.covered(drafted)[: self.levels].tolist()
         confidence = record.confidences[first : first + seen]
-        row = self.candidates.index(record.exit_layer)
-        for level, held in enumerate(covered):
+        rows = self._level_rows([self.candidates.index(record.exit_layer)]).tolist()
+        for row, held in zip(rows, covered, strict=True):
             match = [i < accepted and h for i, h in enumerate(held)]
-            self.stats.add_to(row + level * len(self.candidates), position_sums(match, confidence))
+            self.stats.add_to(row, position_sums(match, confidence))
 
     def keep_drafting(self, confidence: float) -> bool:
         """The paper's stop under the exit layer's threshold tau, unless this layer's drafts
