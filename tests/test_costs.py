@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 
@@ -178,12 +179,16 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     assert cost.profile.head == pytest.approx([t * 2.3 for t in head])
     assert cost.profile.draft_head == pytest.approx([0.25 * 2.3])
     assert "disagreed with measured rounds (x2.3); corrected" in capsys.readouterr().err
-    # drafting rounds 2x faster than predicted: only what plain steps do not use
+    # drafting rounds 2x faster than predicted: only what plain steps do not use, and no
+    # number of rows verified cheaper than fewer (2 rows halved would cost less than 1)
     for _ in range(16):
         check.observe(20.0, 10.0, drafted=True)
     assert cost.profile.layer[0] == pytest.approx(2.3) and cost.profile.head[0] == 0.5 * 2.3
-    assert cost.profile.layer[1] == pytest.approx(1.5 * 2.3 * 0.5)
+    assert cost.profile.layer[5] == pytest.approx(3.5 * 2.3 * 0.5)
     assert cost.profile.draft_layer == pytest.approx(2.3 * 0.5)
+    rows = [cost.plain_seconds(k) for k in range(1, 7)]
+    assert rows[1] == pytest.approx(rows[0])
+    assert all(more >= fewer - 1e-9 for fewer, more in itertools.pairwise(rows))
     assert check.corrections == pytest.approx([2.3, 0.5])
     assert capsys.readouterr().err == ""  # said once
 

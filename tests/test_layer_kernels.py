@@ -1,6 +1,7 @@
 """The compiled layer kernels against torch references: fused attention (norms, RoPE, cache
 write, causal attention), RMS norm and the gated activation; rows' bits independent of how many
-rows are computed together; a whole layer range in one call equal to the layer-by-layer path."""
+rows are computed together; a whole layer range in one call equal to the layer-by-layer path; the
+greedy pick and logsumexp of rows of scores against torch's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tiny_models import tiny_model
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
 from delspec.kernels.layers import LayerKernels
+from delspec.kernels.scores import top_logsumexp
 from delspec.modules import apply_rope, rope_inv_freq, rope_table
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
@@ -228,3 +230,29 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
             assert torch.equal(model.cache, runs["compiled"][2])
     finally:
         torch.set_num_threads(count)
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 4099, 49152])
+@pytest.mark.parametrize("listed", [False, True])
+def test_top_logsumexp_matches_torch_and_takes_the_first_of_equal_maxima(width, listed):
+    """The compiled greedy pick, its score and the logsumexp over a row's columns (or the
+    columns an index lists) equal torch's: the same position, the score exactly, the logsumexp
+    to float32 rounding; of equal maxima, the first (a tie planted after an earlier one)."""
+    gen = torch.Generator().manual_seed(width)
+    scores = torch.randn(3, width, generator=gen) * 8
+    index = torch.randperm(width, generator=gen)[: max(1, width // 3)] if listed else None
+    columns = scores if index is None else scores[:, index]
+    if columns.shape[1] > 2:  # row 1: the maximum twice, the first one early
+        peak = float(columns[1].max()) + 1.0
+        first, second = 1, columns.shape[1] - 1
+        for at in (first, second):
+            scores[1, at if index is None else index[at]] = peak
+        columns = scores if index is None else scores[:, index]
+    at, top, lse = top_logsumexp(scores, index)
+    expected = torch.tensor([int(torch.nonzero(row == row.max())[0]) for row in columns])
+    assert torch.equal(at, expected)
+    assert torch.equal(top, columns.max(-1).values)
+    torch.testing.assert_close(lse, torch.logsumexp(columns.double(), -1).float())
+    reference = top_logsumexp(scores.double(), index)  # torch's own operations
+    assert torch.equal(reference[0], at)
+    torch.testing.assert_close(reference[2].float(), lse)

@@ -129,6 +129,7 @@ class MeasuredCost:
         self.overhead = self.layer_overhead = 0.0
         self.check = CostCheck(self)  # compares the rounds that ran with this cost's predictions
         self.position = profile.context
+        self._rows_monotone()
         self._plain = self._plain_parts()
         # per grid asked for: its seconds at the profile's context and per position further on,
         # and which of its columns draft from a layer
@@ -141,6 +142,7 @@ class MeasuredCost:
 
     def rescaled(self) -> None:
         """The profile's timings changed in place (`CostProfile.scale`): predict from them."""
+        self._rows_monotone()
         self._plain = self._plain_parts()
         self._grids.clear()
         self._cells.clear()
@@ -239,19 +241,23 @@ class MeasuredCost:
 
     def correct_rows(self, rows: int, factor: float) -> None:
         """Rounds verifying `rows` positions take `factor` times what the profile says: scale
-        their timings, keep verifying more rows no cheaper than fewer, and predict from that."""
+        their timings and predict from that (`rescaled`)."""
+        self.profile.scale_rows(rows, factor)
+        self.rescaled()
+
+    def _rows_monotone(self) -> None:
+        """Keep verifying more rows no cheaper than fewer (through every layer and the head):
+        a correction of some row counts alone (`correct_rows`), or of all but one row
+        (`CostProfile.scale`'s `multi_row_only`, by a factor under 1), could leave 2 rows
+        cheaper than a plain step, and every context draft would look free."""
         p = self.profile
 
         def total(k: int) -> float:
             return self.num_layers * p.layer[k - 1] + p.head[k - 1]
 
-        if rows > 1:
-            factor = max(factor, total(rows - 1) / total(rows))
-        p.scale_rows(rows, factor)
-        for k in range(rows + 1, len(p.layer) + 1):
-            if total(k) < total(rows):
-                p.scale_rows(k, total(rows) / total(k))
-        self.rescaled()
+        for k in range(2, len(p.layer) + 1):
+            if total(k) < total(k - 1):
+                p.scale_rows(k, total(k - 1) / total(k))
 
     def plain_seconds(self, rows: int) -> float:
         """Seconds of a round running `rows` positions through every layer and the full head:

@@ -18,6 +18,7 @@ tokens, the exit layer and the draft cap, and asked after each draft token wheth
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from torch import Tensor
 from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.errors import ConfigError
 from delspec.kernels.products import Int8Weight, int8_supported
+from delspec.kernels.scores import top_logsumexp
 from delspec.model import Transformer
 from delspec.sampling import Sampling, draw, greedy_tokens, speculative_accept
 
@@ -111,9 +113,8 @@ class ExitHead:
         logits = logits.float()
         tokens, confidences = [], []
         for vocab in self.vocabs:
-            columns = logits if vocab is None else logits[:, vocab]
-            top, column = columns.max(-1)
-            confidences.append(torch.exp(top - torch.logsumexp(columns, -1)))
+            column, top, lse = top_logsumexp(logits, vocab)
+            confidences.append(torch.exp(top - lse))
             tokens.append(column if vocab is None else vocab[column])
         return torch.stack(tokens).cpu(), torch.stack(confidences).cpu()
 
@@ -398,14 +399,13 @@ class Engine:
         """Draw one draft token from the exit head; keeps its distribution when sampling."""
         logits = self.exit_head(h, exit_layer, level)[0]
         vocab = self.exit_head.vocabs[level]
-        if self.sampling.greedy:
-            probs = torch.softmax(logits, -1, dtype=_float(logits.dtype))
-            column = int(greedy_tokens(probs))
+        if self.sampling.greedy:  # the first of equal maxima, and its probability
+            at, top, lse = top_logsumexp(logits[None])
+            column, confidence = int(at[0]), math.exp(float(top[0]) - float(lse[0]))
         else:
             probs = self.sampling.probs(logits)
             column = draw(probs, self.generator)
-        confidence = float(probs[column])
-        if not self.sampling.greedy:
+            confidence = float(probs[column])
             if vocab is not None:
                 full = torch.zeros(
                     self.model.config.vocab_size, dtype=probs.dtype, device=probs.device

@@ -1,4 +1,4 @@
-"""Building and loading the compiled kernels (`gguf_blocks.c`, `attention.c`) on this machine.
+"""Building and loading the compiled kernels (`gguf_blocks.c`, `attention.c`, ...) on this machine.
 
 The C sources are compiled at first use with the compiler that is there (`$CC`, else cc/gcc/clang),
 for the instruction set this CPU reports: VNNI dot products (AVX-512 or AVX-VNNI), AVX2 with FMA
@@ -24,7 +24,7 @@ from delspec.cache import cache_dir, write_atomically
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gguf_blocks.c", "attention.c", "layer_ops.c", "layers.c")
+    for name in ("gguf_blocks.c", "attention.c", "layer_ops.c", "layers.c", "scores.c")
 ]
 HEADER = Path(__file__).with_name("kernels.h")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
@@ -191,3 +191,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_gated.restype = None
     lib.dl_layers.argtypes = [p, p, i64, p, p, i32, i32, p, i32, p, p]
     lib.dl_layers.restype = i32
+    lib.dl_top_logsumexp.argtypes = [p, i64, i32, i64, p, i64, p, p, p]
+    lib.dl_top_logsumexp.restype = i32

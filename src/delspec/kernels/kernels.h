@@ -1,6 +1,7 @@
 /* What the compiled kernels share across their sources: block products (gguf_blocks.c),
  * attention (attention.c), a layer's small operations (layer_ops.c), used one call at a time
- * from Python or all together by a whole layer range (layers.c).
+ * from Python or all together by a whole layer range (layers.c), and rows of scores reduced to
+ * their greedy pick and logsumexp (scores.c).
  *
  * Functions marked "work-shared" split their work with `#pragma omp for ... nowait`: called
  * inside a parallel region by every thread of it, they share the work and end *without* a

@@ -19,6 +19,7 @@ from delspec.decode_config import DELOptions
 from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
 from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
+from delspec.kernels.scores import top_logsumexp
 from delspec.policies.base import Plan, Policy
 
 
@@ -129,8 +130,9 @@ class DynamicExit(Policy):
         layers = [self.candidates[r] for r in rows.tolist()]
         hidden = record.hidden[[e - 1 for e in layers]][:, positions]  # layer E -> hidden[E-1]
         logits = self.exit_head.shadow(hidden, layers).float()
-        top, column = logits.max(-1)
-        confidence = torch.exp(top - torch.logsumexp(logits, -1)).cpu()
+        rows_of = logits.shape[:-1]  # [layers, positions]
+        column, top, lse = (v.view(rows_of) for v in top_logsumexp(logits.flatten(0, -2)))
+        confidence = torch.exp(top - lse).cpu()
         vocab = self.exit_head.vocab
         tokens = (column if vocab is None else vocab[column]).cpu()
         targets = record.targets.cpu()[positions]
