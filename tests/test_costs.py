@@ -208,8 +208,9 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
 
 
 def test_a_correction_is_stored_for_the_next_process(tmp_path):
-    """A profile the rounds found 1.5x too fast (not far enough off to measure again) is read
-    back corrected, every vocabulary's draft head too, and as old as it was."""
+    """A profile plain steps found 1.5x too fast (not far enough off to measure again) is read
+    back corrected, every vocabulary's draft head too, and as old as it was; what drafting
+    rounds then correct (it follows what a process drafts) is not stored."""
     model = tiny_model(seed=0)
     measured = cached_profile(ExitHead(model), 2, 4, tmp_path)
     pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
@@ -226,6 +227,12 @@ def test_a_correction_is_stored_for_the_next_process(tmp_path):
     assert (again.measured_at, again.settled) == (measured.measured_at, measured.settled)
     both = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     assert both.draft_head == pytest.approx([t * 1.5 for t in pruned.draft_head])
+    for _ in range(cost.check.window):  # drafting rounds 2x the prediction: corrected, not stored
+        cost.check.observe(plain, plain * 2.0, drafted=True)
+    assert cost.check.corrections == pytest.approx([1.5, 2.0])
+    assert cost.profile.draft_layer == pytest.approx(before.draft_layer * 3.0)
+    kept = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    assert kept.draft_layer == pytest.approx(before.draft_layer * 1.5)
 
 
 def test_cost_check_corrects_the_rows_the_profile_got_wrong():

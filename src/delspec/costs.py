@@ -444,16 +444,15 @@ def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list
     write_atomically(path, lambda scratch: scratch.write_text(text))
 
 
-def store_correction(path: str | Path, factor: float, multi_row_only: bool) -> None:
-    """Scale the profile stored at `path` as `CostProfile.scale(factor, multi_row_only)` scaled
-    it in memory (every vocabulary's draft head too), keeping when it was measured, so that the
-    next process starts from timings the rounds agreed with (a missing or unreadable file is
-    left alone)."""
+def store_correction(path: str | Path, factor: float) -> None:
+    """Scale every timing of the profile stored at `path` by `factor` (every vocabulary's draft
+    head too), keeping when it was measured, so that the next process starts from timings the
+    rounds agreed with (a missing or unreadable file is left alone)."""
     stored = _parse_profile(Path(path))
     if stored is None:
         return
     profile, draft_heads = stored
-    profile.scale(factor, multi_row_only)
+    profile.scale(factor)
     scaled = {vocab: [t * factor for t in times] for vocab, times in draft_heads.items()}
     _write_profile(Path(path), profile, scaled)
 
@@ -482,10 +481,14 @@ class CostCheck:
     timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
     window of plain steps has confirmed (or corrected) theirs. The window then starts
     afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
-    that the next run measures it again; any other is stored in the file (`store_correction`), so
-    that the next process starts from it (an AMD EPYC's profile, timed in a loop, read a third
-    too fast for the rounds of every process, each correcting it anew). The first correction in a
-    process prints one line to stderr.
+    that the next run measures it again; any other correction from plain steps is stored in the
+    file (`store_correction`), so that the next process starts from it (an AMD EPYC's profile,
+    timed in a loop, read a third too fast for the rounds of every process, each correcting it
+    anew). One from drafting rounds is not stored: how far drafting rounds are off follows what
+    the process drafted, and stored, it prices the next process's plain steps too (on SmolLM2,
+    one process whose drafting rounds ran 1.44x the profile before any plain steps were compared
+    stored x1.44 for every timing, and the processes after it chose differently from the same
+    prompts). The first stored or extreme correction in a process prints one line to stderr.
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
@@ -586,15 +589,16 @@ class CostCheck:
         if not drafted:
             self.ratios[True].clear()  # their predictions changed too
         self.corrections.append(factor)
-        if not CostCheck.said:
+        extreme = factor > self.extreme or factor < 1 / self.extreme
+        if (extreme or not drafted) and not CostCheck.said:
             print(
                 f"delspec: cost profile disagreed with measured rounds (x{factor:.3g}); corrected",
                 file=sys.stderr,
             )
             CostCheck.said = True
-        if (factor > self.extreme or factor < 1 / self.extreme) and profile.path:
+        if extreme and profile.path:
             mark_stale(profile.path)
             profile.settled = False
-        elif profile.path:
-            store_correction(profile.path, factor, multi_row_only)
+        elif profile.path and not drafted:
+            store_correction(profile.path, factor)
         return factor

@@ -23,7 +23,7 @@ static float row_top(const float *v, int64_t n, int64_t *at) {
 #endif
     for (; i < n; ++i) best = v[i] > best ? v[i] : best;
     while (first < n && !(v[first] == best)) ++first;
-    *at = first;
+    *at = first < n ? first : 0; /* none equal: a NaN first */
     return best;
 }
 
