@@ -22,6 +22,11 @@ static float row_top(const float *v, int64_t n, int64_t *at) {
     }
 #endif
     for (; i < n; ++i) best = v[i] > best ? v[i] : best;
+#ifdef __AVX2__
+    const __m256 wanted = _mm256_set1_ps(best);
+    while (first + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + first), wanted, _CMP_EQ_OQ)))
+        first += 8;
+#endif
     while (first < n && !(v[first] == best)) ++first;
     *at = first < n ? first : 0; /* none equal: a NaN first */
     return best;

@@ -355,10 +355,12 @@ class FastDynamicExit(DynamicExit):
             return False
         tokens, confidence = drafts
         targets = record.targets[record.context :][:valid].cpu()
-        match = (tokens == targets[None]) & self.exit_head.covered(targets)
-        rows = self._level_rows([self._final_row])
-        everywhere = np.ones(valid, dtype=bool)
-        self.stats.update(match[: self.levels], confidence[: self.levels], everywhere, rows)
+        wanted, held = targets.tolist(), self.exit_head.covered(targets).tolist()
+        rows = self._level_rows([self._final_row]).tolist()  # one per level counted
+        levels = zip(rows, tokens.tolist(), held, confidence.tolist(), strict=False)
+        for row, drafted, level_held, sure in levels:
+            match = [d == t and h for d, t, h in zip(drafted, wanted, level_held, strict=True)]
+            self.stats.add_to(row, position_sums(match, sure))
         return True
 
     def _must_score(self) -> list[int]:
