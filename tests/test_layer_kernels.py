@@ -256,3 +256,5 @@ def test_top_logsumexp_matches_torch_and_takes_the_first_of_equal_maxima(width, 
     reference = top_logsumexp(scores.double(), index)  # torch's own operations
     assert torch.equal(reference[0], at)
     torch.testing.assert_close(reference[2].float(), lse)
+    with pytest.raises(ValueError, match="no columns"):
+        top_logsumexp(scores, torch.zeros(0, dtype=torch.long))

@@ -17,7 +17,9 @@ def top_logsumexp(scores: Tensor, index: Tensor | None = None) -> tuple[Tensor, 
     """Per row of `scores` `[rows, width]`, over all its columns or over the columns `index`
     lists: the position of the largest score among them (the first of equal maxima), that
     score, and the log of the sum of their exponentials. Each `[rows]`, on `scores`' device, the
-    last two in `scores`' dtype."""
+    last two in `scores`' dtype. No columns at all: ValueError."""
+    if not (scores.shape[-1] if index is None else len(index)):
+        raise ValueError("no columns to take the largest score of")
     lib = library()
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or lib is None:
         columns = scores if index is None else scores[:, index]
