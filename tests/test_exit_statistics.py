@@ -31,6 +31,7 @@ def test_decayed_counts_alpha_and_tau_by_hand():
     assert tau[0] == pytest.approx(((0.45 / 0.5) + (0.6 / 1.5)) / 2)
     # never mismatched: mismatched mean taken as 0 (the reference code gives NaN)
     assert tau[1] == pytest.approx(((0.5 * 1.4 + 1.0) / 2.0) / 2)
+    assert [stats.threshold_at(row) for row in range(2)] == tau  # the scalar form
 
 
 def test_continuation_counts_pairs_of_valid_neighbours():
@@ -95,6 +96,7 @@ def test_layer_without_data_is_finite():
     stats = ExitStatistics(3)
     assert stats.alpha().tolist() == [0.0, 0.0, 0.0]
     assert stats.threshold().tolist() == [0.5, 0.5, 0.5]
+    assert stats.threshold_at(2) == 0.5
 
 
 def test_expected_tokens_and_tpl_argmax():

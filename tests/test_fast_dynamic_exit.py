@@ -207,54 +207,101 @@ def test_a_draft_cap_set_by_the_user_bounds_the_optimum():
     assert (capped.draft_length, capped.plan().draft_cap) == (2, 1)
 
 
-def test_final_layer_drafts_are_the_full_head_restricted_to_each_vocabulary():
+def test_a_final_layer_draft_is_the_target_exactly_where_its_vocabulary_holds_it():
+    """At the final layer a level's draft is the full head's greedy token restricted to its
+    vocabulary: the target (the full head's) exactly when the level holds it."""
     model = tiny_model(seed=4, num_layers=4)
     levels = [torch.arange(8), torch.arange(24), None]
     head = DraftHead(model, vocab=levels, context_vocab=False)
-    h = torch.randn(6, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(1))
-    tokens, confidence = head.final_layer_drafts(model.head(h))
+    assert head.final_layer_is_full_head
+    h = torch.randn(64, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(1))
+    targets = model.head(h).argmax(-1).tolist()
+    held = head.held(targets)
+    assert [sum(level) for level in held][-1] == 64 and 0 < sum(held[0]) < 64  # both kinds
     for level, vocab in enumerate(levels):
-        probs = torch.softmax(head(h, 4, level), -1)
-        best, column = probs.max(-1)
-        assert tokens[level].tolist() == (column if vocab is None else vocab[column]).tolist()
-        torch.testing.assert_close(confidence[level], best.float())
+        column = head(h, 4, level).argmax(-1)
+        drafts = (column if vocab is None else vocab[column]).tolist()
+        assert [d == t for d, t in zip(drafts, targets, strict=True)] == held[level]
+    assert head.covered(torch.tensor(targets)).tolist() == held
     int8 = DraftHead(
         tiny_model(seed=4, num_layers=4, dtype=torch.float32), vocab=levels[0], int8=True
     )
-    assert int8.final_layer_drafts(model.head(h).float()) is None  # int8 drafts differ
+    assert not int8.final_layer_is_full_head  # int8 drafts differ from the full head's
 
 
-def test_plain_rounds_update_the_final_layer_from_their_verification():
-    """The final layer drafts as the full head restricted to a vocabulary: a plain round's own
-    logits say what it would have drafted, so its statistics grow without any shadow tokens."""
+def _final_layer_policy():
+    """A measured-cost DEL on a 4-layer model past its warm-up, drafting vocabularies of 8
+    tokens and the full one, statistics undecayed and without a prior."""
     model = tiny_model(seed=2, num_layers=4)
     head = DraftHead(model, vocab=[torch.arange(8), None], context_vocab=False)
     policy = make_policy("del", 4, cost="measured", omega=1.0, prior=0, shadow_budget=0.01)
     policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
     policy.start(head)
     policy.in_warmup = False
-    final = policy.candidates.index(4)
-    h = torch.randn(1, 32, dtype=model.dtype, generator=torch.Generator().manual_seed(3))
-    logits = model.head(h)
-    targets = logits.argmax(-1)
+    return policy
 
-    def plain_round(seconds: float) -> None:
-        record = Round(0, 0, [], [], 0, [], targets)  # plain, no states: unscored
-        record.logits, record.verify_s = logits, seconds
+
+def test_every_round_updates_the_final_layer_from_its_verification():
+    """The final layer drafts as the full head restricted to a vocabulary: each round's own
+    targets say what it would have drafted at every position whose inputs were accepted, so its
+    statistics grow without shadow tokens, whatever the shadow budget allows."""
+    policy = _final_layer_policy()
+    final = policy.candidates.index(4)
+    targets = [3, 20, 5]  # in the small level, outside it, in it
+    rows = [final, len(policy.candidates) + final]  # the final layer at each level
+
+    def context_round(accepted: int) -> None:
+        """Two context draft tokens, `accepted` of them accepted, no states: unscored."""
+        record = Round(
+            0, 0, targets[:2], [], accepted, targets[: accepted + 1], torch.tensor(targets)
+        )
+        record.from_context = 2
+        policy.credit = 0.0  # nothing for shadow tokens
         policy.observe(record)
 
-    for _ in range(3):
-        plain_round(1.0)  # 1% of a second: more than counting costs
-    in_small = bool(targets[0] < 8)
-    rows = [final, len(policy.candidates) + final]  # the final layer at each level
-    assert policy.stats.matched[rows].tolist() == [3.0 * in_small, 3.0]
-    assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
+    context_round(0)  # one valid position: 3
+    assert policy.stats.matched[rows].tolist() == [1.0, 1.0]
+    assert policy.stats.mismatched[rows].tolist() == [0.0, 0.0]
+    context_round(2)  # three: 3, 20, 5
+    assert policy.stats.matched[rows].tolist() == [3.0, 4.0]
+    assert policy.stats.mismatched[rows].tolist() == [1.0, 0.0]
     others = [r for r in range(2 * len(policy.candidates)) if r not in rows]
     assert (policy.stats.matched + policy.stats.mismatched)[others].sum() == 0
-    assert policy.final_cost > 0  # measured, and charged to the shadow budget:
-    policy.credit = 0.0
-    plain_round(0.0)  # a round the budget cannot afford it for
-    assert (policy.stats.matched + policy.stats.mismatched)[rows].tolist() == [3.0, 3.0]
+
+
+def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
+    policy = _final_layer_policy()
+    choices = []
+    choose = policy._choose
+    policy._choose = lambda: choices.append(len(choices)) or choose()
+
+    def plain_round(target: int) -> None:
+        policy.observe(Round(0, 0, [], [], 0, [target], torch.tensor([target])))
+
+    plain_round(3)  # alpha 0 -> 1 at both levels: chosen again
+    final = [policy.chosen_alpha[row] for row in policy.final_rows]
+    assert len(choices) == 1 and final == [1.0, 1.0]
+    for _ in range(5):
+        plain_round(3)  # alpha stays 1
+    assert len(choices) == 1
+    plain_round(20)  # outside the small level: its alpha falls to 6/7
+    final = [policy.chosen_alpha[row] for row in policy.final_rows]
+    assert len(choices) == 2 and final == pytest.approx([6 / 7, 1.0])
+
+
+def test_drafts_from_the_final_layer_run_to_the_optimum_whatever_their_confidence():
+    """Confidence tells nothing there (a level drafts the target exactly when it holds it):
+    the stop under tau applies at other layers, and at the final layer of int8 drafts."""
+    model = tiny_model(seed=2, num_layers=4, dtype=torch.float32)
+    for int8 in (False, True):
+        policy = make_policy("del", 4, cost="measured", prior=0)
+        policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
+        policy.start(DraftHead(model, vocab=torch.arange(8), int8=int8, context_vocab=False))
+        policy.tau_exit = 0.5
+        policy.exit_layer = 4
+        assert policy.keep_drafting(0.1) is not int8
+        policy.exit_layer = 2
+        assert not policy.keep_drafting(0.1)
 
 
 def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, monkeypatch):

@@ -167,10 +167,11 @@ class MeasuredCost:
         d (the draft length) from layer `exit_layers[i]` with vocabulary level `levels[i]`
         (default 0) in row i. A round's seconds grow linearly with its position, so each grid
         is worked out once (at the profile's context, and per position beyond) and then only
-        moved to the position (a policy asks for the same grid every round)."""
-        exits = tuple(np.asarray(exit_layers).tolist())
-        chosen = (0,) * len(exits) if levels is None else tuple(np.asarray(levels).tolist())
-        key = (exits, tuple(np.asarray(draft_lengths).tolist()), chosen, context)
+        moved to the position (a policy asks for the same grid every round: given as tuples,
+        the arguments are its key as they are)."""
+        exits = _as_key(exit_layers)
+        chosen = (0,) * len(exits) if levels is None else _as_key(levels)
+        key = (exits, _as_key(draft_lengths), chosen, context)
         parts = self._grids.get(key)
         if parts is None:
             drafts = np.asarray(key[1])[None, :] > 0  # columns of rounds with layer drafts
@@ -264,6 +265,11 @@ class MeasuredCost:
         a plain step (1), or a context draft of `rows - 1` tokens and its verification."""
         base, per_position = self._plain[min(rows, len(self._plain)) - 1]
         return self._here(base, per_position, self.overhead)
+
+
+def _as_key(values: Ints) -> tuple[int, ...]:
+    """`values` as a tuple of ints (a tuple is taken as it is)."""
+    return values if isinstance(values, tuple) else tuple(np.asarray(values).tolist())
 
 
 def profile_key(exit_head: ExitHead) -> str:

@@ -68,12 +68,11 @@ class DraftHead(ExitHead):
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
-        # the smallest level each token is in; len(levels) for none (numpy: `covered` looks up a
-        # few tokens most rounds, where each torch operation would cost several microseconds)
-        self.level_of = np.full(model.config.vocab_size, len(levels) - full)
+        # the smallest level each token is in; len(levels) for none (also as bytes, for `held`)
+        self.level_of = np.full(model.config.vocab_size, len(levels) - full, dtype=np.uint8)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
             self.level_of[ranked[lo:hi].cpu().numpy()] = level
-        self.level_steps = np.arange(len(levels))[:, None]
+        self.level_bytes = self.level_of.tobytes()
         self.context_vocab = context_vocab and bool(pruned)
         # admitted tokens not yet in the vocabularies (ids) and not yet in their head rows
         self._pending: dict[str, list[int]] = {"vocabs": [], "extras": []}
@@ -126,12 +125,16 @@ class DraftHead(ExitHead):
             return logits
         return torch.cat([logits, self.model.project(n, extra)], -1)
 
-    def covered(self, tokens: Tensor) -> Tensor:
-        ids = tokens.tolist()
-        ranked = self.level_of[ids][None, :] <= self.level_steps
-        if self.context_vocab:
-            ranked |= np.array([t in self.context and t not in self.fresh for t in ids], bool)
-        return torch.from_numpy(ranked)
+    def held(self, tokens: list[int]) -> list[list[bool]]:
+        level_of = self.level_bytes
+        ranks = [level_of[t] for t in tokens]
+        if self.context_vocab:  # in the sequence before the latest `admit`: every level has it
+            context, fresh = self.context, self.fresh
+            ranks = [
+                0 if t in context and t not in fresh else r
+                for t, r in zip(tokens, ranks, strict=True)
+            ]
+        return [[r <= level for r in ranks] for level in range(len(self.base_vocabs))]
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
         if not self.context_vocab:

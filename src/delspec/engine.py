@@ -102,30 +102,28 @@ class ExitHead:
         n = self.exit_states(hidden, exit_layers)
         return self.model.softcap((n * self.model.head_rows(tokens)).sum(-1))
 
-    def final_layer_drafts(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
-        """What drafts from the final layer would have been, from the full head's `logits`
-        `[positions, vocab]` of the final layer's states (a verification's own): per level,
-        the drafted token and its confidence, `[levels, positions]`. None where such drafts are
-        not the full head restricted to the level's vocabulary (int8 drafts, or an adapter at
-        the final layer)."""
-        if self.int8 or self._adapts(self.model.num_layers):
-            return None
-        logits = logits.float()
-        tokens, confidences = [], []
-        for vocab in self.vocabs:
-            column, top, lse = top_logsumexp(logits, vocab)
-            confidences.append(torch.exp(top - lse))
-            tokens.append(column if vocab is None else vocab[column])
-        return torch.stack(tokens).cpu(), torch.stack(confidences).cpu()
+    @property
+    def final_layer_is_full_head(self) -> bool:
+        """Whether a draft from the final layer is the full head's greedy token restricted to
+        the level's vocabulary (no int8 weights, no adapter there): it then drafts a position's
+        target exactly when the level holds that token (ties between logits aside), which a
+        verification's targets tell for every position at no model cost."""
+        return not self.int8 and not self._adapts(self.model.num_layers)
 
     def _adapts(self, exit_layer: int) -> bool:
         """Whether drafts from `exit_layer` go through an exit adapter (none here)."""
         return False
 
     def covered(self, tokens: Tensor) -> Tensor:
-        """`[levels, tokens]`: whether each level could draft each token before the latest
-        `admit` (everything, for a head without pruned vocabularies)."""
-        return torch.ones(len(self.vocabs), len(tokens), dtype=torch.bool)
+        """`held` as a `[levels, tokens]` tensor."""
+        return torch.tensor(self.held(tokens.tolist()), dtype=torch.bool).view(-1, len(tokens))
+
+    def held(self, tokens: list[int]) -> list[list[bool]]:
+        """Per level, whether it could draft each of `tokens` before the latest `admit`
+        (everything, for a head without pruned vocabularies). Plain Python: a policy asks about
+        a few tokens every round, right after a step has streamed the weights through the
+        caches, where each numpy or torch call costs 5-10 times what it does in a loop."""
+        return [[True] * len(tokens) for _ in self.vocabs]
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
         """The head for one sequence starting with `prompt` (this one, unless it adapts)."""

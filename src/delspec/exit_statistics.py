@@ -89,14 +89,17 @@ class ExitStatistics:
             rows = np.asarray(rows)
             self.sums[:, rows] = self.omega * self.sums[:, rows] + sums
 
-    def add_to(self, row: int, values: Sequence[float]) -> None:
+    def add_to(self, row: int, values: Sequence[float]) -> list[float]:
         """`add` of one round's six sums (`position_sums`) for the one candidate `row`, in
         scalar arithmetic: a policy updating a row or two every round would pay numpy's fixed
         cost per operation several times over (a good share of its work in a decode step of a
-        small model)."""
+        small model). Returns the row's six sums after it."""
         omega = self.omega
         old = self.sums[:, row].tolist()
-        self.sums[:, row] = [omega * kept + new for kept, new in zip(old, values, strict=True)]
+        self.sums[:, row] = new = [
+            omega * kept + add for kept, add in zip(old, values, strict=True)
+        ]
+        return new
 
     def rates(self, row: int, prior: float = 0.0) -> tuple[float, float]:
         """`alpha(prior)[row]` and `continuation(prior)[row]` of the one candidate `row`, in
@@ -114,16 +117,18 @@ class ExitStatistics:
         looking certain. (The reference code turns a layer without data into NaN -> -inf, which
         can make a TPL entry +inf and win the argmax.)
         """
-        total = self.matched + self.mismatched + prior
-        return np.where(total > 0, self.matched / np.maximum(total, 1e-300), 0.0)
+        matched, mismatched = self.sums[:2]
+        return matched / np.maximum(matched + mismatched + prior, 1e-300)  # 0 / tiny: 0
 
-    def continuation(self, prior: float = 0.0) -> Array:
+    def continuation(self, prior: float = 0.0, alpha: Array | None = None) -> Array:
         """Estimated acceptance of a token right after an accepted one, shrunk towards alpha
         by `prior` pseudo-pairs: (continued + prior * alpha) / (after_match + prior); alpha for a
-        layer without such pairs (then tokens count as independent, as in the paper)."""
-        alpha = self.alpha(prior)
-        total = self.after_match + prior
-        shrunk = (self.continued + prior * alpha) / np.maximum(total, 1e-300)
+        layer without such pairs (then tokens count as independent, as in the paper). `alpha`:
+        `alpha(prior)`, where the caller has it."""
+        alpha = self.alpha(prior) if alpha is None else alpha
+        after_match, continued = self.sums[4:]
+        total = after_match + prior
+        shrunk = (continued + prior * alpha) / np.maximum(total, 1e-300)
         return np.where(total > 0, shrunk, alpha)
 
     def threshold(self) -> Array:
@@ -138,6 +143,15 @@ class ExitStatistics:
         low = np.where(
             mismatched > 0, self.confidence_mismatched / np.maximum(mismatched, 1e-300), 0.0
         )
+        return (high + low) / 2
+
+    def threshold_at(self, row: int) -> float:
+        """`threshold()[row]`, in scalar arithmetic (see `add_to`)."""
+        matched, mismatched, confidence_matched, confidence_mismatched, _, _ = self.sums[
+            :, row
+        ].tolist()
+        high = confidence_matched / matched if matched > 0 else 1.0
+        low = confidence_mismatched / mismatched if mismatched > 0 else 0.0
         return (high + low) / 2
 
 

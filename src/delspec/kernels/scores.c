@@ -4,7 +4,6 @@
  * cost up to a millisecond inside a decode step on 2 cores of an AMD EPYC).
  */
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -52,28 +51,13 @@ static float row_logsumexp(const float *v, int64_t n, float top) {
     return top + (float)log(total);
 }
 
-/* Per row r of `scores` (row stride `ld`): over its columns 0..width, or over the `count` columns
- * `index` lists when it is not NULL, the position of the largest score among them (the first of
- * equal maxima), that score and the log of the sum of their exponentials. Returns 0, or -1 when
- * a buffer for the listed columns cannot be had. */
-int dl_top_logsumexp(const float *scores, int64_t ld, int rows, int64_t width, const int64_t *index,
-                     int64_t count, int64_t *at, float *top, float *lse) {
-    float *picked = NULL;
-    if (index != NULL && count > 0) {
-        picked = malloc(sizeof(float) * (size_t)count);
-        if (picked == NULL) return -1;
-    }
+/* Per row r of `scores` (row stride `ld`, `width` columns): the position of the largest score
+ * (the first of equal maxima), that score and the log of the sum of the exponentials. */
+void dl_top_logsumexp(const float *scores, int64_t ld, int rows, int64_t width, int64_t *at,
+                      float *top, float *lse) {
     for (int r = 0; r < rows; ++r) {
         const float *row = scores + (int64_t)r * ld;
-        int64_t n = width;
-        if (index != NULL) {
-            for (int64_t i = 0; i < count; ++i) picked[i] = row[index[i]];
-            row = picked;
-            n = count;
-        }
-        top[r] = row_top(row, n, at + r);
-        lse[r] = row_logsumexp(row, n, top[r]);
+        top[r] = row_top(row, width, at + r);
+        lse[r] = row_logsumexp(row, width, top[r]);
     }
-    free(picked);
-    return 0;
 }

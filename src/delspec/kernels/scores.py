@@ -13,29 +13,23 @@ from delspec.kernels.build import library
 from delspec.sampling import greedy_tokens
 
 
-def top_logsumexp(scores: Tensor, index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of `scores` `[rows, width]`, over all its columns or over the columns `index`
-    lists: the position of the largest score among them (the first of equal maxima), that
-    score, and the log of the sum of their exponentials. Each `[rows]`, on `scores`' device, the
-    last two in `scores`' dtype. No columns at all: ValueError."""
-    if not (scores.shape[-1] if index is None else len(index)):
+def top_logsumexp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of `scores` `[rows, width]`: the position of the largest score (the first of
+    equal maxima), that score, and the log of the sum of the exponentials. Each `[rows]`, on
+    `scores`' device, the last two in `scores`' dtype. No columns at all: ValueError."""
+    if not scores.shape[-1]:
         raise ValueError("no columns to take the largest score of")
     lib = library()
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or lib is None:
-        columns = scores if index is None else scores[:, index]
-        at = greedy_tokens(columns).to(scores.device)
-        return at, columns.gather(1, at[:, None])[:, 0], torch.logsumexp(columns, -1)
+        at = greedy_tokens(scores).to(scores.device)
+        return at, scores.gather(1, at[:, None])[:, 0], torch.logsumexp(scores, -1)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     rows, width = scores.shape
-    picked = None if index is None else index.to(torch.int64).contiguous()
     at = torch.empty(rows, dtype=torch.int64)
     top, lse = torch.empty(rows), torch.empty(rows)
-    status = lib.dl_top_logsumexp(
+    lib.dl_top_logsumexp(
         scores.data_ptr(), scores.stride(0), rows, width,
-        None if picked is None else picked.data_ptr(), 0 if picked is None else len(picked),
         at.data_ptr(), top.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
-    if status:
-        raise MemoryError("no memory for the listed columns of the scores")
     return at, top, lse

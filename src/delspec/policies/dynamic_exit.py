@@ -168,5 +168,5 @@ class DynamicExit(Policy):
         self.level, candidate = divmod(row, len(self.candidates))
         self.exit_layer = self.candidates[candidate]
         self.draft_length = int(self.draft_lengths[column])
-        self.tau_exit = float(self.stats.threshold()[row])
+        self.tau_exit = self.stats.threshold_at(row)
         self.in_warmup = False

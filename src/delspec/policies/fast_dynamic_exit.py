@@ -26,12 +26,14 @@ from delspec.policies.dynamic_exit import DynamicExit
 
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
-FINAL_POSITIONS = 4  # positions a round's verification counts for the final layer, under a budget
 REALIZED_ROUNDS = 3.0  # (decayed) rounds of exit-layer drafts before their realized speed counts
 PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step delivers now
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
 CARRIED_EVIDENCE = 8.0  # the most (decayed) positions a generation's carried statistics cover
 MIN_CHANCE = 0.01  # a context draft token less likely than this to be accepted is not drafted
+# how far a counted layer's alpha (at any level) moves from where the plan was last chosen before
+# a round that counted only drafts and the final layer chooses again (`_counted`)
+RECHOOSE_SHIFT = 0.03
 MIN_BELOW = 3.0  # (decayed) drafts under the threshold seen before their acceptance counts
 # Unseen misses counted for each context match order (under the default `prior`): a match
 # order's first tokens are seen once per proposal, not at every position as a layer's are, and
@@ -90,9 +92,8 @@ class FastDynamicExit(DynamicExit):
       scores `WARM_LAYERS` evenly spread candidates and is not charged to the budget); a
       layer's statistics decay only when it is scored. A round that is not scored still
       updates the exit layer from its own drafts, which cost nothing to score: the accepted
-      ones matched, the first rejected one did not. The final layer is counted from the
-      verification's own logits at its first `FINAL_POSITIONS` positions, when the budget
-      allows that too (over a large head it costs a good share of a step).
+      ones matched, the first rejected one did not. The final layer is counted from every
+      round's verification at no cost (`_count_final_layer`).
     - `context_drafts=True`: each round may also draft from the context (`ContextProposal`, at
       no model cost), as a context draft alone, or one extended by exit-layer drafts. Each
       round's proposal is scored against the tokens the sequence then commits (the verifier's,
@@ -114,9 +115,9 @@ class FastDynamicExit(DynamicExit):
       exit layer's drafts made under tau are counted, accepted or not (decayed, per vocabulary
       and layer), and once `MIN_BELOW` of them are seen and they are accepted often enough that
       the plain-step seconds one saves cover what one more draft token adds to the round,
-      drafting goes on under tau (up to d*). Where confidence tells little (the final layer
-      over a pruned vocabulary: Gemma-3-270M drafted 1-2 tokens a round on continuations and
-      93% of them were accepted) the draft runs on; where it tells a miss, the stop holds.
+      drafting goes on under tau (up to d*). Where confidence tells little the draft runs on;
+      where it tells a miss, the stop holds. At the final layer, whose drafts are the full
+      head's restricted to a vocabulary, there is no stop under tau (`keep_drafting`).
     - `remember=True`: a generation starts from what the previous one with the same model, draft
       head and options learned (`_Learned`: the statistics of every layer and of the context
       drafts, the realized speeds, the measured cost with its corrections), instead of a
@@ -144,7 +145,7 @@ class FastDynamicExit(DynamicExit):
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = np.flatnonzero(self.draft_lengths == 0)
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
-        self.column = self.plain_column or 0  # the plan's draft length column (`_take`)
+        self.row, self.column = 0, self.plain_column or 0  # the plan's cell (`_take`)
         if o.context_drafts:
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
@@ -160,12 +161,17 @@ class FastDynamicExit(DynamicExit):
         self.levels = len(exit_head.vocab_sizes) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
         self.row_levels = np.repeat(np.arange(self.levels), len(self.candidates))
-        self.credit = 0.0  # seconds of shadow work the budget allows now
-        # measured seconds per scored (layer, position), and of counting the final layer from a
-        # verification: timings of this machine, carried whenever a generation ran before
-        self.row_cost, self.final_cost = (
-            (learned.row_cost, learned.final_cost) if learned else (0.0, 0.0)
+        # the value grid's rows and columns as the cost's key (`MeasuredCost.grid`)
+        self.lengths_key = tuple(self.draft_lengths.tolist())
+        self.grid_key = (
+            tuple(self.exit_layers.tolist()),
+            self.lengths_key,
+            tuple(self.row_levels.tolist()),
         )
+        self.credit = 0.0  # seconds of shadow work the budget allows now
+        # measured seconds per scored (layer, position): a timing of this machine, carried
+        # whenever a generation ran before
+        self.row_cost = learned.row_cost if learned else 0.0
         self.cursor = 0  # rotation over candidates under a shadow budget
         self.recheck_in = -1  # rounds until a plain round put in place of layer drafts is
         # looked at again (`_recheck`; below 0: none is)
@@ -175,6 +181,11 @@ class FastDynamicExit(DynamicExit):
         self.below = ExitStatistics(self.levels * len(self.candidates), self.omega)
         self.below_pays = False  # whether the exit layer's drafts under tau pay (`_take`)
         self.realized = _Realized()
+        self.final_exact = exit_head.final_layer_is_full_head
+        final = self._final_row  # statistics rows of the final layer
+        self.final_rows = [] if final is None else self._level_rows([final])
+        # every statistics row's alpha when the plan was last chosen (none yet: any count moves)
+        self.chosen_alpha = [-1.0] * len(self.exit_layers)
         self.collect_hidden = True
         if learned is not None and self._worth_carrying(learned.stats):
             self.stats = learned.stats.capped(CARRIED_EVIDENCE)
@@ -187,16 +198,21 @@ class FastDynamicExit(DynamicExit):
         self.learned = _Learned(
             self.stats, self.context_score.stats, self.below, self.realized, self.cost
         )
-        self.learned.row_cost, self.learned.final_cost = self.row_cost, self.final_cost
+        self.learned.row_cost = self.row_cost
         memory[key] = self.learned
 
     def _worth_carrying(self, learned: ExitStatistics) -> bool:
         """Whether a previous generation's statistics can stand in for a warm-up: some layer's
         evidence covers `min_evidence` positions (one at least), so that it could draft at
-        once. Thinner ones would only keep the warm-up from ever adding to them."""
+        once. Thinner ones would only keep the warm-up from ever adding to them. The final
+        layer, which every verification counts, is not such a layer: its evidence says nothing
+        of the layers only a warm-up or shadow tokens score."""
         if learned.matched.shape != self.stats.matched.shape:
             return False
-        return float(learned.evidence().max()) >= max(1.0, self.min_evidence)
+        evidence = learned.evidence()
+        if self.final_exact and self.final_rows:
+            evidence = np.delete(evidence, self.final_rows)
+        return bool(len(evidence)) and float(evidence.max()) >= max(1.0, self.min_evidence)
 
     def _profile(self, exit_head: ExitHead) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
@@ -230,16 +246,16 @@ class FastDynamicExit(DynamicExit):
         choice = Plan(0, 0, context=tuple(tokens[:best]))
         if layer_plan.draft_cap and self.layer_tokens:  # that prefix, then exit-layer drafts
             all_accepted = first * then ** (best - 1) if best else 1.0
-            extra = np.asarray(self.layer_tokens) - 1.0
-            row, level = [layer_plan.exit_layer], [layer_plan.level]
-            seconds = cost.grid(row, self.draft_lengths, level, context=best)[0]
-            mixed = (best_expected + all_accepted * extra) / seconds
-            mixed[self.draft_lengths == 0] = 0.0
-            column = int(mixed.argmax())
-            if float(mixed[column]) > value:
-                value = float(mixed[column])
-                cap = min(int(self.draft_lengths[column]), layer_plan.draft_cap)
-                choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
+            row, level = (layer_plan.exit_layer,), (layer_plan.level,)
+            seconds = cost.grid(row, self.lengths_key, level, context=best)[0].tolist()
+            # in plain Python: a few numbers each, where each numpy call would cost more
+            for length, layer_tokens, round_s in zip(
+                self.lengths_key, self.layer_tokens, seconds, strict=True
+            ):
+                mixed = (best_expected + all_accepted * (layer_tokens - 1.0)) / round_s
+                if length and mixed > value:
+                    value, cap = mixed, min(length, layer_plan.draft_cap)
+                    choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
         return choice if value > self._floor(layer_plan) else layer_plan
 
     def _floor(self, layer_plan: Plan) -> float:
@@ -274,25 +290,20 @@ class FastDynamicExit(DynamicExit):
                 self.row_cost = self.learned.row_cost = scoring / (len(rows) * len(positions))
                 # The warm-up is a one-off per prompt, like the prefill: not charged to the budget.
                 self.credit -= 0.0 if in_warmup else scoring
-        elif record.drafted:
-            self._count_drafts(record)
-        if len(record.drafted) > record.from_context and self.dynamic_draft:
+        count_final = bool(
+            self.final_exact and self.final_rows and (rows is None or self._final_row not in rows)
+        )
+        layer_drafts = len(record.drafted) > record.from_context
+        final_drafts = count_final and record.exit_layer == self.num_layers  # counted below
+        # the layers' statistics changed: scored, or counted and moved (context drafts apart)
+        changed = rows is not None
+        if rows is None and layer_drafts and not final_drafts:
+            changed |= self._count_drafts(record)
+        if layer_drafts and self.dynamic_draft:
             self._count_below(record)
-        # the layers' statistics changed: scored, or drafted from (context drafts count apart)
-        changed = rows is not None or len(record.drafted) > record.from_context
-        final = self._final_row
-        scored = [] if rows is None else rows.tolist()
-        if (
-            final is not None
-            and record.exit_layer != self.num_layers
-            and final not in scored
-            and (self.shadow_budget is None or self.credit >= self.final_cost)
-        ):
-            counting = time.perf_counter()
+            self.below_pays = self._below_pays(self.row, self.column)
+        if count_final:
             changed |= self._count_final_layer(record)
-            if self.shadow_budget is not None:
-                self.final_cost = self.learned.final_cost = time.perf_counter() - counting
-                self.credit -= self.final_cost
         self._recheck(changed)
         elapsed = time.perf_counter() - start
         if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
@@ -342,26 +353,30 @@ class FastDynamicExit(DynamicExit):
         )
 
     def _count_final_layer(self, record: Round) -> bool:
-        """Update the final layer from the round's verification, at no cost: drafts from it
-        are the full head restricted to each vocabulary, whose logits the verification has, at
-        the positions whose inputs were all accepted (under a shadow budget, the first
-        `FINAL_POSITIONS` of them: over a large head, each costs a pass over its logits).
-        Returns whether it could (not after int8 drafts or with an adapter there)."""
-        valid = record.accepted + 1
-        if self.shadow_budget is not None:
-            valid = min(valid, FINAL_POSITIONS)
-        drafts = self.exit_head.final_layer_drafts(record.logits[:valid])
-        if drafts is None:
-            return False
-        tokens, confidence = drafts
-        targets = record.targets[record.context :][:valid].cpu()
-        wanted, held = targets.tolist(), self.exit_head.covered(targets).tolist()
-        rows = self._level_rows([self._final_row]).tolist()  # one per level counted
-        levels = zip(rows, tokens.tolist(), held, confidence.tolist(), strict=False)
-        for row, drafted, level_held, sure in levels:
-            match = [d == t and h for d, t, h in zip(drafted, wanted, level_held, strict=True)]
-            self.stats.add_to(row, position_sums(match, sure))
-        return True
+        """Update the final layer from the round's verification, at no model cost: a level
+        drafts a position's target there exactly when it holds that token
+        (`ExitHead.final_layer_is_full_head`), at every position whose inputs were all
+        accepted. Confidence is not computed (counted as 0): the stop under tau does not apply
+        at this layer (`keep_drafting`). Returns whether its alpha moved (`_counted`)."""
+        start = record.context
+        targets = record.targets.tolist()[start : start + record.accepted + 1]
+        held_by = self.exit_head.held(targets)
+        counts = [position_sums(held, [0.0] * len(held)) for held in held_by]
+        return self._counted(self.final_rows, counts)
+
+    def _counted(self, rows: list[int], counts: list[list[float]]) -> bool:
+        """Add one round's sums (`position_sums`) to statistics `rows`; whether the alpha of one
+        of them moved more than `RECHOOSE_SHIFT` from where the plan was last chosen. Counted
+        every round, the final layer's moves a little most rounds (as a drafting layer's
+        does), and choosing the plan again each time (~0.27 ms inside a SmolLM2 generation)
+        cost more than a tenth of what a final-layer draft saves there."""
+        moved = False
+        for row, values in zip(rows, counts, strict=False):
+            matched, mismatched, *_ = self.stats.add_to(row, values)
+            total = matched + mismatched + self.prior
+            alpha = matched / total if total > 0 else 0.0
+            moved |= abs(alpha - self.chosen_alpha[row]) > RECHOOSE_SHIFT
+        return moved
 
     def _must_score(self) -> list[int]:
         """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
@@ -388,35 +403,42 @@ class FastDynamicExit(DynamicExit):
             reach = self.exit_head.token_logits(hidden, shadow.layers, wanted).float()
             match[:, outside] |= (reach >= shadow.top[:, outside]).cpu()
         match = (match[None] & covered[:, None]).flatten(0, 1)
-        rows = self._level_rows(rows)
+        rows = self._level_rows(rows.tolist())
         self.stats.update(match, shadow.confidence.repeat(self.levels, 1), shadow.valid, rows)
 
-    def _level_rows(self, rows: Tensor | list[int]) -> np.ndarray:
+    def _level_rows(self, rows: list[int]) -> list[int]:
         """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
-        offsets = np.arange(self.levels)[:, None] * len(self.candidates)
-        return (offsets + np.asarray(rows)[None, :]).ravel()
+        count = len(self.candidates)
+        return [level * count + row for level in range(self.levels) for row in rows]
 
-    def _count_drafts(self, record: Round) -> None:
+    def _count_drafts(self, record: Round) -> bool:
         """Update the exit layer from the round's drafts: accepted ones, then the first miss;
-        each vocabulary level counts the accepted drafts it held."""
+        each vocabulary level counts the accepted drafts it held. Returns whether its alpha
+        moved (`_counted`)."""
         first = record.from_context  # the exit layer's drafts follow the context's
         if record.accepted < first or len(record.drafted) == first:
-            return
+            return False
         accepted = record.accepted - first
         seen = min(accepted + 1, len(record.drafted) - first)
-        drafted = torch.tensor(record.drafted[first : first + seen])
-        covered = self.exit_head.covered(drafted)[: self.levels].tolist()
+        held_by = self.exit_head.held(record.drafted[first : first + seen])
         confidence = record.confidences[first : first + seen]
-        rows = self._level_rows([self.candidates.index(record.exit_layer)]).tolist()
-        for row, held in zip(rows, covered, strict=True):
-            match = [i < accepted and h for i, h in enumerate(held)]
-            self.stats.add_to(row, position_sums(match, confidence))
+        rows = self._level_rows([self.candidates.index(record.exit_layer)])
+        counts = [
+            position_sums([i < accepted and h for i, h in enumerate(held)], confidence)
+            for held in held_by
+        ]
+        return self._counted(rows, counts)
 
     def keep_drafting(self, confidence: float) -> bool:
         """The paper's stop under the exit layer's threshold tau, unless this layer's drafts
-        under tau have been accepted often enough to pay for themselves (`below_pays`): where
-        confidence tells little (the final layer over a pruned vocabulary, whose misses are
-        tokens outside it), drafts stopped after 1-2 tokens that were accepted 93% of the time."""
+        under tau have been accepted often enough to pay for themselves (`below_pays`), and
+        never at the final layer when its drafts are the full head's restricted to a
+        vocabulary: a level drafts the target there exactly when it holds it, whatever the
+        confidence (replaying `ar` on the bench prompts, SmolLM2's 16k level held 96-100% of
+        the targets in every tenth of confidence from 0 to 1, Gemma-3-270M's 86-99%), so drafts
+        run to d*, which the final layer's statistics from every verification price."""
+        if self.final_exact and self.exit_layer == self.num_layers:
+            return True
         return super().keep_drafting(confidence) or self.below_pays
 
     def _count_below(self, record: Round) -> None:
@@ -437,7 +459,7 @@ class FastDynamicExit(DynamicExit):
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
-        self.column = column
+        self.row, self.column = row, column
         self.below_pays = self._below_pays(row, column)
 
     def _below_pays(self, row: int, column: int) -> bool:
@@ -448,7 +470,7 @@ class FastDynamicExit(DynamicExit):
         matched, mismatched = self.below.sums[:2, row].tolist()
         if matched + mismatched < MIN_BELOW or lengths[column] == 0:
             return False
-        seconds = self.cost.grid([self.exit_layer], lengths, [self.level])[0]
+        seconds = self.cost.grid((self.exit_layer,), self.lengths_key, (self.level,))[0]
         more = column + 1 if column + 1 < len(lengths) else column
         added = float(seconds[more] - seconds[more - 1])
         plain = float(seconds[self.plain_column]) if self.plain_column is not None else added
@@ -467,10 +489,10 @@ class FastDynamicExit(DynamicExit):
         min_evidence and margin rules."""
         count = len(self.candidates)
         alpha = self.stats.alpha(self.prior)  # [levels * candidates]
-        self.alpha_trace = np.round(alpha[:count], 4).tolist()  # once per update
-        continuation = self.stats.continuation(self.prior) if self.runs else None
+        self.alpha_trace = alpha[:count].round(4).tolist()  # once per update
+        continuation = self.stats.continuation(self.prior, alpha) if self.runs else None
         expected = expected_tokens(alpha, self.draft_lengths, continuation)
-        value = expected / self.cost.grid(self.exit_layers, self.draft_lengths, self.row_levels)
+        value = expected / self.cost.grid(*self.grid_key)
         if self.min_evidence and self.plain_column is not None:
             unproven = self.stats.matched + self.stats.mismatched < self.min_evidence
             value[unproven] = value[unproven, self.plain_column][:, None]
@@ -492,6 +514,7 @@ class FastDynamicExit(DynamicExit):
                 self.recheck_in = 1 if verdict == "see" else waiting
         if self.context_ngrams is not None:
             self.layer_tokens = expected[row].tolist()
+        self.chosen_alpha = alpha.tolist()
         self._take(row, column)
 
 
@@ -506,7 +529,6 @@ class _Learned:
     realized: _Realized
     cost: object  # MeasuredCost or LayerCost
     row_cost: float = 0.0  # measured seconds per scored (layer, position)
-    final_cost: float = 0.0  # measured seconds of counting the final layer from a verification
 
 
 # per model (weakly: a model no longer used is forgotten), per (options, head type, draft
