@@ -74,8 +74,7 @@ class DraftHead(ExitHead):
             self.level_of[ranked[lo:hi].cpu().numpy()] = level
         self.level_bytes = self.level_of.tobytes()
         self.context_vocab = context_vocab and bool(pruned)
-        # admitted tokens not yet in the vocabularies (ids) and not yet in their head rows
-        self._pending: dict[str, list[int]] = {"vocabs": [], "extras": []}
+        self._pending: list[int] = []  # admitted tokens not yet in the vocabularies
         self.extras = [model.head_rows(ranked[:0])] * len(levels)
         self.context: set[int] = set()  # the sequence's tokens so far
         self.fresh: set[int] = set()  # those the latest `admit` added
@@ -141,27 +140,25 @@ class DraftHead(ExitHead):
             return self
         head = copy.copy(self)
         head.vocabs, head.extras, head.context = list(self.vocabs), list(self.extras), set()
-        head._pending = {"vocabs": [], "extras": []}
+        head._pending = []
         head.admit(prompt)
         head.fresh = set()
         return head
 
     def admit(self, tokens: list[int]) -> None:
-        """Note `tokens`' new ones; they join the vocabularies when a draft, a shadow token or
-        a count of the final layer next needs them, and their head rows when a draft or shadow
-        token does (most rounds of a model whose layers rarely draft need none)."""
+        """Note `tokens`' new ones; they join the vocabularies (and their head rows) when a draft
+        or shadow token next needs them (most rounds of a model whose layers rarely draft need
+        none: `held` answers from the sequence's tokens)."""
         if not self.context_vocab:
             return
         new = [t for t in dict.fromkeys(tokens) if t not in self.context]
         self.fresh = set(new)
         self.context.update(new)
-        for pending in self._pending.values():
-            pending += new
+        self._pending += new
 
     @property
     def vocabs(self) -> list[Tensor | None]:
-        for level, outside in self._joining("vocabs"):
-            self._vocabs[level] = torch.cat([self._vocabs[level], outside])
+        self._join_pending()
         return self._vocabs
 
     @vocabs.setter
@@ -171,26 +168,26 @@ class DraftHead(ExitHead):
     @property
     def extras(self) -> list[Tensor]:
         """Per level: the LM head rows of the context tokens outside it (in `vocabs`' order)."""
-        for level, outside in self._joining("extras"):
-            self._extras[level] = torch.cat([self._extras[level], self.model.head_rows(outside)])
+        self._join_pending()
         return self._extras
 
     @extras.setter
     def extras(self, value: list[Tensor]) -> None:
         self._extras = value
 
-    def _joining(self, what: str) -> list[tuple[int, Tensor]]:
-        """Take the tokens admitted since `what` ("vocabs" or "extras") last joined them: per
-        pruned level, those outside it, in the order admitted."""
-        if not self._pending[what]:
-            return []
-        ids, self._pending[what] = torch.tensor(self._pending[what]), []
-        joining = []
+    def _join_pending(self) -> None:
+        """Add the admitted tokens not yet in the vocabularies (and their head rows): per pruned
+        level, those outside it, in the order admitted."""
+        if not self._pending:
+            return
+        ids, self._pending = torch.tensor(self._pending), []
         for level, base in enumerate(self.base_vocabs):
             outside = ids[torch.from_numpy(self.level_of[ids.numpy()] > level)]
-            if base is not None and len(outside):
-                joining.append((level, outside.to(self.model.device)))
-        return joining
+            if base is None or not len(outside):
+                continue
+            outside = outside.to(self.model.device)
+            self._vocabs[level] = torch.cat([self._vocabs[level], outside])
+            self._extras[level] = torch.cat([self._extras[level], self.model.head_rows(outside)])
 
     def _stacked(self, exit_layers: list[int]) -> tuple[Tensor, Tensor]:
         """The listed layers' adapters (`down`, `up`), stacked for a layer batch."""

@@ -299,17 +299,16 @@ class FastDynamicExit(DynamicExit):
         changed = rows is not None
         if rows is None and layer_drafts and not final_drafts:
             changed |= self._count_drafts(record)
-        if layer_drafts and self.dynamic_draft:
-            self._count_below(record)
-            self.below_pays = self._below_pays(self.row, self.column)
+        below = layer_drafts and self.dynamic_draft and self._count_below(record)
         if count_final:
             changed |= self._count_final_layer(record)
-        self._recheck(changed)
+        if not self._recheck(changed) and below:  # `_take` did not look at them again
+            self.below_pays = self._below_pays(self.row, self.column)
         elapsed = time.perf_counter() - start
         if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
             self.realized.add(record, elapsed)
             if isinstance(self.cost, MeasuredCost):
-                self._note_overhead(len(record.drafted) > record.from_context, elapsed)
+                self._note_overhead(layer_drafts, elapsed)
         self.collect_hidden = self._will_score_next()
         self._annotate(record, elapsed, 0 if rows is None else len(rows))
 
@@ -441,13 +440,14 @@ class FastDynamicExit(DynamicExit):
             return True
         return super().keep_drafting(confidence) or self.below_pays
 
-    def _count_below(self, record: Round) -> None:
+    def _count_below(self, record: Round) -> bool:
         """Count the round's exit-layer drafts made under tau, and whether each was accepted (up
-        to the first miss: whether later ones would have been is not known)."""
+        to the first miss: whether later ones would have been is not known). Returns whether
+        there were any."""
         first = record.from_context
         drafted = len(record.drafted) - first
         if record.accepted < first:  # the context's drafts missed before the layer's
-            return
+            return False
         accepted = record.accepted - first
         seen = min(accepted + 1, drafted)
         confidence = record.confidences[first : first + seen]
@@ -456,6 +456,7 @@ class FastDynamicExit(DynamicExit):
             row = record.level * len(self.candidates) + self.candidates.index(record.exit_layer)
             match = [i < accepted for i in range(seen)]
             self.below.add_to(row, position_sums(match, confidence, under))
+        return any(under)
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
@@ -476,13 +477,16 @@ class FastDynamicExit(DynamicExit):
         plain = float(seconds[self.plain_column]) if self.plain_column is not None else added
         return self.below.rates(row)[0] * plain >= added
 
-    def _recheck(self, changed: bool) -> None:
+    def _recheck(self, changed: bool) -> bool:
         """After a round: choose the plan again if the layers' statistics `changed`, or when a
         plain round put in place of layer drafts is due to be looked at again (`recheck_in`
-        rounds after it was: one to see a plain step, `RETRY_EVERY` while drafts lose)."""
+        rounds after it was: one to see a plain step, `RETRY_EVERY` while drafts lose).
+        Returns whether it did."""
         self.recheck_in -= 1
         if changed or self.recheck_in == 0:
             self._choose()
+            return True
+        return False
 
     def _choose(self) -> None:
         """The next (E, d*, vocabulary level) by expected tokens per cost, with the runs,
