@@ -114,6 +114,17 @@ def test_results_json(results):
     env = results["environment"]
     assert {"torch", "threads", "cpu", "date", "command"} <= set(env)
     assert env["threads"] == 1 and "bench" in env["command"]
+    # the CPU as /proc/cpuinfo names its first processor, family and model numbers included
+    # where it has them ("AMD EPYC" alone is a Zen 2 or a Zen 3, whose products differ)
+    info = Path("/proc/cpuinfo")
+    first = info.read_text().split("\n\n")[0] if info.exists() else ""
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in first.splitlines())
+    )
+    if fields.get("model name") and fields.get("cpu family"):
+        numbers = f"family {fields['cpu family']}, model {fields['model']}"
+        assert env["cpu"] == f"{fields['model name']} ({numbers})"
     assert list(results["methods"]) == LABELS
     assert results["methods"]["hf"]["peer"] and not results["methods"]["del"]["peer"]
     records = results["records"]

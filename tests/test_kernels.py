@@ -238,6 +238,13 @@ def test_parts_and_row_subsets():
     assert torch.equal(wa[rows](x), wa(x)[:, rows])
     assert torch.equal(wa[2:5].dequantize(), wa.dequantize()[2:5])
     assert torch.equal(wa.dequantize(rows), wa.dequantize()[rows])
+    # row numbers as a list (an embedding's lookup): the same rows, and the same range check
+    assert torch.equal(wa.dequantize(rows.tolist()), wa.dequantize()[rows])
+    assert torch.equal(both.dequantize([17, 3]), both.dequantize()[[17, 3]])
+    assert wa.dequantize([]).shape == (0, 64)
+    for outside in ([8], [-1], torch.tensor([8])):
+        with pytest.raises(IndexError, match="out of range for 8 rows"):
+            wa.dequantize(outside)
 
 
 def test_pieces_are_repacked_where_they_lie():

@@ -231,7 +231,7 @@ def step_together(
         ids += [engine.tokens[-1], *draft]
         positions += range(first, first + 1 + len(draft))
         slots += [engine.slot] * (1 + len(draft))
-    inputs = model.embed(torch.tensor(ids, device=model.device))
+    inputs = model.embed(ids)
     logits = model.head(model.run_rows(inputs, positions, slots, 0, model.num_layers))
     synchronize(model.device)
     seconds = (time.perf_counter() - start) / len(decodings)  # each sequence's share

@@ -190,9 +190,6 @@ class Engine:
         self.context_ngrams = context_ngrams
         self.index: ContextIndex | None = None
 
-    def _ids(self, tokens: list[int]) -> Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-
     @torch.inference_mode()
     def prefill(self, prompt: list[int], capacity: int, window: int = 0) -> None:
         """Start a sequence: run all but the last prompt token through every layer.
@@ -206,8 +203,7 @@ class Engine:
         if len(prompt) < 2:
             return
         collect: list[Tensor] | None = [] if window else None
-        ids = self._ids(prompt[:-1])
-        model.run_layers(model.embed(ids), 0, 0, model.num_layers, collect, slot=self.slot)
+        model.run_layers(model.embed(prompt[:-1]), 0, 0, model.num_layers, collect, slot=self.slot)
         if collect:
             w = min(window, len(prompt) - 1)
             hidden = torch.stack([h[-w:] for h in collect])
@@ -336,9 +332,7 @@ class Engine:
         for step in range(draft_cap):
             layers: list[Tensor] | None = [] if collect and not int8 else None
             start = pos + len(draft.tokens) + 1 - len(inputs)
-            h = model.run_layers(
-                model.embed(self._ids(inputs)), start, 0, exit_layer, layers, int8, self.slot
-            )
+            h = model.run_layers(model.embed(inputs), start, 0, exit_layer, layers, int8, self.slot)
             draft.states.append(h)
             if layers is not None:
                 draft.early.append(torch.stack(layers))
@@ -359,13 +353,13 @@ class Engine:
         n = len(draft.tokens)
         deep: list[Tensor] | None = [] if collect else None
         if not draft.states or self.exit_head.int8:  # every layer over the input and drafts
-            inputs = self._ids([self.tokens[-1], *draft.tokens])
+            inputs = [self.tokens[-1], *draft.tokens]
             h = model.run_layers(
                 model.embed(inputs), pos, 0, model.num_layers, deep, slot=self.slot
             )
         else:
             last: list[Tensor] | None = [] if collect else None
-            last_input = model.embed(self._ids(draft.tokens[-1:]))
+            last_input = model.embed(draft.tokens[-1:])
             h_last = model.run_layers(last_input, pos + n, 0, exit_layer, last, slot=self.slot)
             states = torch.cat([*draft.states, h_last])
             h = model.run_layers(states, pos, exit_layer, model.num_layers, deep, slot=self.slot)

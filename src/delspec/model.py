@@ -13,7 +13,7 @@ in `delspec.modules`; loading checkpoint weights into it, in `delspec.checkpoint
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,11 +122,13 @@ class Transformer(nn.Module):
         rows = self.lm_head.blocks.dequantize(tokens, self.dtype)
         return rows.to(self.device)
 
-    def embedding_rows(self, tokens: Tensor) -> Tensor:
-        """The float embedding rows of `tokens`."""
+    def embedding_rows(self, tokens: Tensor | Sequence[int]) -> Tensor:
+        """The float embedding rows of `tokens` (a tensor or a list of ids)."""
+        device = self.device
         if self.embed_blocks is None:
-            return self.embedding(tokens)
-        return self.embed_blocks.dequantize(tokens, self.dtype).to(self.device)
+            return self.embedding(torch.as_tensor(tokens, device=device))
+        rows = self.embed_blocks.dequantize(tokens, self.dtype)
+        return rows if device.type == "cpu" else rows.to(device)
 
     @property
     def cache_length(self) -> int:
@@ -206,8 +208,9 @@ class Transformer(nn.Module):
         scaling = None if sliding else self.config.rope_scaling
         return rope_inv_freq(self.config.head_dim, theta, scaling)
 
-    def embed(self, ids: Tensor) -> Tensor:
-        """Token ids `[tokens]` -> hidden states `[tokens, hidden]`."""
+    def embed(self, ids: Tensor | Sequence[int]) -> Tensor:
+        """Token ids `[tokens]` (a tensor, or a list: GGUF embeddings then look them up with no
+        torch operation) -> hidden states `[tokens, hidden]`."""
         h = self.embedding_rows(ids)
         if self.config.spec.embed_scale:  # rounded to float32 first, as transformers does
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(h.dtype)

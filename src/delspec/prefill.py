@@ -123,7 +123,7 @@ def prefill_chunk(
         ids += prefill.decoding.prompt[first : first + rows]
         positions += range(first, first + rows)
         slots += [prefill.decoding.engine.slot] * rows
-    states = model.embed(torch.tensor(ids, device=model.device))
+    states = model.embed(ids)
     model.run_rows(states, positions, slots, 0, model.num_layers)
     synchronize(model.device)
     seconds = time.perf_counter() - start

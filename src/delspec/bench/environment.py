@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from delspec.kernels.build import cpu_name
 from delspec.loading import LoadedModel
 
 MODEL_FIELDS = ("name", "source", "layers", "parameters", "weights", "dtype", "device")
@@ -35,7 +36,7 @@ def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, An
         "delspec": metadata.version("delspec"),
         "llama_cpp_python": _version("llama-cpp-python"),
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -47,14 +48,3 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
