@@ -68,11 +68,12 @@ class DraftHead(ExitHead):
         self.draft_weights = [drafts[:k] for k in sizes] + [None] * full
         self.base_vocabs: list[Tensor | None] = [ranked[:k] for k in sizes] + [None] * full
         self.vocabs = list(self.base_vocabs)
-        # the smallest level each token is in; len(levels) for none (also as bytes, for `held`)
-        self.level_of = np.full(model.config.vocab_size, len(levels) - full, dtype=np.uint8)
+        # per token id, the smallest level it is in (len(levels) for none), as bytes: `held` and
+        # `_join_pending` look a few ids up in plain Python
+        level_of = np.full(model.config.vocab_size, len(levels) - full, dtype=np.uint8)
         for level, (lo, hi) in enumerate(itertools.pairwise([0, *sizes])):
-            self.level_of[ranked[lo:hi].cpu().numpy()] = level
-        self.level_bytes = self.level_of.tobytes()
+            level_of[ranked[lo:hi].cpu().numpy()] = level
+        self.level_of = level_of.tobytes()
         self.context_vocab = context_vocab and bool(pruned)
         self._pending: list[int] = []  # admitted tokens not yet in the vocabularies
         self.extras = [model.head_rows(ranked[:0])] * len(levels)
@@ -125,7 +126,7 @@ class DraftHead(ExitHead):
         return torch.cat([logits, self.model.project(n, extra)], -1)
 
     def held(self, tokens: list[int]) -> list[list[bool]]:
-        level_of = self.level_bytes
+        level_of = self.level_of
         ranks = [level_of[t] for t in tokens]
         if self.context_vocab:  # in the sequence before the latest `admit`: every level has it
             context, fresh = self.context, self.fresh
@@ -180,12 +181,12 @@ class DraftHead(ExitHead):
         level, those outside it, in the order admitted."""
         if not self._pending:
             return
-        ids, self._pending = torch.tensor(self._pending), []
+        pending, self._pending, level_of = self._pending, [], self.level_of
         for level, base in enumerate(self.base_vocabs):
-            outside = ids[torch.from_numpy(self.level_of[ids.numpy()] > level)]
-            if base is None or not len(outside):
+            ids = [t for t in pending if level_of[t] > level]
+            if base is None or not ids:
                 continue
-            outside = outside.to(self.model.device)
+            outside = torch.tensor(ids, dtype=torch.long, device=self.model.device)
             self._vocabs[level] = torch.cat([self._vocabs[level], outside])
             self._extras[level] = torch.cat([self._extras[level], self.model.head_rows(outside)])
 

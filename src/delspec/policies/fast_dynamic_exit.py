@@ -145,7 +145,7 @@ class FastDynamicExit(DynamicExit):
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = np.flatnonzero(self.draft_lengths == 0)
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
-        self.row, self.column = 0, self.plain_column or 0  # the plan's cell (`_take`)
+        self.column = self.plain_column or 0  # the plan's draft length column (`_take`)
         if o.context_drafts:
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
@@ -160,14 +160,11 @@ class FastDynamicExit(DynamicExit):
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocab_sizes) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
-        self.row_levels = np.repeat(np.arange(self.levels), len(self.candidates))
-        # the value grid's rows and columns as the cost's key (`MeasuredCost.grid`)
+        # the value grid's rows (exit layer, level) and columns as the cost's key
+        # (`MeasuredCost.grid`)
         self.lengths_key = tuple(self.draft_lengths.tolist())
-        self.grid_key = (
-            tuple(self.exit_layers.tolist()),
-            self.lengths_key,
-            tuple(self.row_levels.tolist()),
-        )
+        row_levels = tuple(level for level in range(self.levels) for _ in self.candidates)
+        self.grid_key = (tuple(self.exit_layers.tolist()), self.lengths_key, row_levels)
         self.credit = 0.0  # seconds of shadow work the budget allows now
         # measured seconds per scored (layer, position): a timing of this machine, carried
         # whenever a generation ran before
@@ -303,7 +300,8 @@ class FastDynamicExit(DynamicExit):
         if count_final:
             changed |= self._count_final_layer(record)
         if not self._recheck(changed) and below:  # `_take` did not look at them again
-            self.below_pays = self._below_pays(self.row, self.column)
+            row = self._row_of(self.exit_layer, self.level)
+            self.below_pays = self._below_pays(row, self.column)
         elapsed = time.perf_counter() - start
         if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
             self.realized.add(record, elapsed)
@@ -405,6 +403,10 @@ class FastDynamicExit(DynamicExit):
         rows = self._level_rows(rows.tolist())
         self.stats.update(match, shadow.confidence.repeat(self.levels, 1), shadow.valid, rows)
 
+    def _row_of(self, exit_layer: int, level: int) -> int:
+        """The statistics row of `exit_layer` at vocabulary `level`."""
+        return level * len(self.candidates) + self.candidates.index(exit_layer)
+
     def _level_rows(self, rows: list[int]) -> list[int]:
         """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
         count = len(self.candidates)
@@ -453,14 +455,14 @@ class FastDynamicExit(DynamicExit):
         confidence = record.confidences[first : first + seen]
         under = [c < self.tau_exit for c in confidence]
         if any(under):
-            row = record.level * len(self.candidates) + self.candidates.index(record.exit_layer)
+            row = self._row_of(record.exit_layer, record.level)
             match = [i < accepted for i in range(seen)]
             self.below.add_to(row, position_sums(match, confidence, under))
         return any(under)
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
-        self.row, self.column = row, column
+        self.column = column
         self.below_pays = self._below_pays(row, column)
 
     def _below_pays(self, row: int, column: int) -> bool:
