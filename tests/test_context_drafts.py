@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from test_costs import profile
 from test_lossless import run
 from tiny_models import tiny_model
@@ -15,18 +16,19 @@ from delspec.context_drafts import MIN_NGRAM, NO_PROPOSAL, ContextIndex, Context
 from delspec.costs import MeasuredCost
 from delspec.decode_config import StaticOptions
 from delspec.decoding import Decoding, decode_tokens
-from delspec.engine import ExitHead
+from delspec.engine import ExitHead, Round
 from delspec.errors import ConfigError
 from delspec.policies import Plan, make_policy
 from delspec.policies.fixed import Static
 
 
-def reference_proposal(tokens, limit, min_ngram, max_ngram):
-    """What `ContextIndex.propose` must give, by scanning the whole sequence each time."""
+def reference_proposal(tokens, limit, min_ngram, max_ngram, after=()):
+    """What `ContextIndex.propose` must give, by scanning the whole sequence each time (with
+    the tokens `after` it, whose own n-grams are not matched against)."""
     out: list[int] = []
     order = 0
     while len(out) < limit:
-        seq = tokens + out
+        seq = tokens + list(after) + out
         for n in range(max_ngram, min_ngram - 1, -1):
             if n > len(seq):
                 continue
@@ -56,6 +58,9 @@ def test_proposes_what_followed_the_latest_longest_match():
 def test_a_repeating_pattern_is_proposed_past_the_end_of_the_sequence():
     index = ContextIndex([4, 6, 4, 6, 4], min_ngram=2, max_ngram=4)
     assert index.propose(7) == ContextProposal([6, 4, 6, 4, 6, 4, 6], 3)
+    # after drafts 6, 4 (not committed): "4 6 4" matches, and the pattern goes on
+    assert index.propose(3, [6, 4]) == ContextProposal([6, 4, 6], 3)
+    assert index.propose(3, [9]) == NO_PROPOSAL
 
 
 def test_incremental_index_matches_a_full_scan():
@@ -69,6 +74,9 @@ def test_incremental_index_matches_a_full_scan():
             for limit in (1, 3, 8):
                 expected = reference_proposal(tokens[: i + 1], limit, low, high)
                 assert index.propose(limit) == expected, (tokens[: i + 1], limit, low, high)
+                after = tokens[i + 1 : i + 1 + limit % 4]  # a round's drafts, not committed
+                expected = reference_proposal(tokens[: i + 1], limit, low, high, after)
+                assert index.propose(limit, after) == expected, (tokens[: i + 1], after)
 
 
 def test_bad_orders_are_refused():
@@ -86,26 +94,43 @@ def test_bad_orders_are_refused():
 
 class Scripted(Static):
     """Drafts `context` tokens from a script of what the model will say (corrupted from token
-    `correct(round)` on), then up to 3 exit-layer drafts from `exit_layer` (0: none). Its
-    proposals come from the script, not from the sequence's own index."""
+    `correct(round)` on), then up to 3 exit-layer drafts from `exit_layer` (0: none), then
+    `after` more script tokens (corrupted the same way) once the exit layer has drafted
+    `switch_at` tokens (None: after its last). Its proposals come from the script, not from
+    the sequence's own index."""
 
     context_ngrams = (1, 1)
     context_limit = 32
 
-    def __init__(self, num_layers, script, context, correct, exit_layer, vocab=64):
+    def __init__(
+        self, num_layers, script, context, correct, exit_layer, vocab=64, after=0, switch_at=None
+    ):
         super().__init__(num_layers, StaticOptions(max(exit_layer, 1), 3))
         self.script, self.context, self.correct, self.vocab = script, context, correct, vocab
         self.layer_drafts = 3 if exit_layer else 0
+        self.after, self.switch_at = after, switch_at
 
     def start(self, exit_head):
         self.generated, self.round = 0, 0
 
     def plan(self, proposal=NO_PROPOSAL):
         self.round += 1
-        tokens = list(self.script[self.generated : self.generated + self.context])
+        return Plan(self.exit_layer, self.layer_drafts, context=self._script(0, self.context))
+
+    def follow(self, proposal, layer_drafts, last):
+        if not self.after or not (
+            last if self.switch_at is None else layer_drafts == self.switch_at
+        ):
+            return []
+        return list(self._script(self.context + layer_drafts, self.after))
+
+    def _script(self, offset, count):
+        """`count` script tokens from `offset` tokens into the round, corrupted as planned."""
+        start = self.generated + offset
+        tokens = list(self.script[start : start + count])
         cut = self.correct(self.round)
         tokens[cut:] = [(t + 1) % self.vocab for t in tokens[cut:]]
-        return Plan(self.exit_layer, self.layer_drafts, context=tuple(tokens))
+        return tuple(tokens)
 
     def observe(self, record):
         self.generated += len(record.tokens)
@@ -139,6 +164,45 @@ def test_context_and_mixed_rounds_are_lossless(exit_layer, weights):
                 paths["layers_after"] += r["drafted"] > k > 0 and r["accepted"] > k
     assert paths["all"] and paths["part"] and paths["none"], paths
     assert bool(paths["layers_after"]) == bool(exit_layer), paths
+
+
+@pytest.mark.parametrize("exit_layer", [2, 6])
+@pytest.mark.parametrize("weights", ["float", "int8", "blocks"])
+@pytest.mark.parametrize("switch_at", [None, 1])
+def test_context_drafts_after_exit_layer_drafts_are_lossless(exit_layer, weights, switch_at):
+    """Context tokens drafted after the exit layer's (after its last draft, or instead of its
+    second), accepted in full, in part, or not at all, on float64, int8 drafts and blocks."""
+    paths = {"all": 0, "part": 0, "none": 0}
+    for seed in range(3):
+        model = tiny_model(seed=seed, shallow=2, residual_scale=0.1, blocks=weights == "blocks")
+        prompt = list(range(seed, seed + 7))
+        expected, _ = run(model, prompt, "ar", 40)
+        head = ExitHead(model, int8=weights == "int8")
+        for after in (1, 4):
+            policy = Scripted(
+                LAYERS,
+                expected.token_ids,
+                0,
+                lambda r: r % 3,
+                exit_layer,
+                after=after,
+                switch_at=switch_at,
+            )
+            got = decode_tokens(
+                model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
+            )
+            assert got.token_ids == expected.token_ids, (seed, after)
+            for r in got.trace:
+                k, layer_drafts = r["context_after"], r["drafted"] - r["context_after"]
+                assert r["from_context"] == 0 and layer_drafts <= 3
+                assert not k or switch_at is None or layer_drafts == switch_at
+                beyond = r["accepted"] - layer_drafts  # of the context's tokens
+                paths["all"] += k > 0 and beyond >= k
+                paths["part"] += 0 < beyond < k
+                paths["none"] += k > 0 and beyond <= 0
+            stats = got.stats
+            assert stats.mixed_rounds and stats.context_drafted >= stats.context_accepted > 0
+    assert all(paths.values()), paths
 
 
 def test_an_end_of_sequence_inside_a_context_draft_ends_the_output():
@@ -291,3 +355,41 @@ def test_first_tokens_and_runs_are_counted_apart():
     assert score.acceptance(2) == (0.0, 0.0)  # another order: nothing seen
     firsts, runs = np.split(score.stats.matched, 2)  # first-token rows, then all-token rows
     assert firsts[0] > 0 and runs[0] > firsts[0] and not firsts[1:].any() and not runs[1:].any()
+
+
+def test_context_tokens_follow_exit_layer_drafts_where_they_pay():
+    """After layer 2's drafts (95% accepted, a fifth of a step each): a proposal that is always
+    right is drafted, also instead of the rest of a planned draft; none after a context draft
+    (not planned that way), nor from proposals whose first token misses."""
+    policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
+    plan = policy.plan()
+    assert plan.exit_layer == 2 and plan.draft_cap >= 2 and not plan.context
+    assert policy.follow(PROPOSAL, plan.draft_cap, True) == PROPOSAL.tokens
+    assert policy.follow(PROPOSAL, 1, False) == PROPOSAL.tokens  # instead of drafting on
+    assert policy.plan(ContextProposal([11], 2)).context == (11,)
+    assert policy.follow(PROPOSAL, plan.draft_cap, True) == []
+    wrong = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], WRONG, prior=1.0)
+    wrong_plan = wrong.plan()
+    assert wrong_plan.draft_cap and wrong.follow(PROPOSAL, wrong_plan.draft_cap, True) == []
+
+
+def test_a_proposal_after_exit_layer_drafts_is_scored_once_they_hold():
+    """A proposal made after the exit layer's first drafts counts when those drafts were
+    accepted (against the tokens committed after them), and not when one was rejected."""
+    for accepted, counted in ((3, True), (1, False)):
+        policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], [])
+        score = policy.context_score
+        score.proposed(NO_PROPOSAL)
+        score.followed(ContextProposal([5, 6], 2), 2)  # after layer drafts 3, 4
+        drafted = [3, 4, 5, 6]
+        tokens = [*drafted[:accepted], 9]
+        record = Round(10, 2, drafted, [1.0] * 4, accepted, tokens, torch.tensor(tokens))
+        record.context_after = 2
+        score.committed(record)
+        first_row = 2 - MIN_NGRAM
+        seen = score.stats.matched[first_row] + score.stats.mismatched[first_row]
+        assert (seen > 0) == counted
+        if counted:  # 5 matched, then 6 did not (9 was committed)
+            every = score.ORDERS + first_row  # the order's all-token row
+            assert score.stats.mismatched[first_row] == 0 < score.stats.matched[first_row]
+            assert score.stats.matched[every] == score.stats.mismatched[every] > 0

@@ -50,6 +50,12 @@ def test_measured_cost_by_hand():
     assert grid[:, 0].tolist() == [10.5] * 3
     # E = 5, d = 2: 2 * (5 * 1.0 + 0.25) + 5 * 1.0 + 5 * layer(3 tokens) 2.0 + head 0.5
     assert grid[1, 2].item() == pytest.approx(10.5 + 5 + 10 + 0.5)
+    # then 2 context tokens: the last draft and they run [0, 5) as 3 rows (5 * 2.0), and 5 rows
+    # [5, 10) (5 * 3.0); the head, 0.5 per pass over any rows here, as before
+    assert cost.round_seconds(5, 2, 0, 0, 2) == pytest.approx(10.5 + 10 + 15 + 0.5)
+    assert cost.round_seconds(5, 2, 0, 0, 0) == pytest.approx(grid[1, 2])
+    # no layer draft: nothing for context tokens to follow
+    assert cost.round_seconds(0, 0, 0, 0, 2) == pytest.approx(cost.plain_seconds(1))
 
 
 def test_policy_work_is_charged_by_the_kind_of_round():

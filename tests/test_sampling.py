@@ -82,6 +82,8 @@ def exact_distribution(model, prompt, sampling):
         ("lookup", dict(ngram_min=1, draft_length=2), None, False),
         # Two context tokens (a fixed script), then exit-layer drafts after them.
         ("scripted", dict(exit_layer=2), None, False),
+        # Exit-layer drafts, then two context tokens (the script's) after them.
+        ("scripted", dict(exit_layer=2, context=0, after=2), None, False),
     ],
 )
 def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab, int8):
@@ -103,7 +105,10 @@ def test_speculative_sampling_keeps_the_target_distribution(strategy, options, d
             policy = AtLevel(model.num_layers, **options)
         elif strategy == "scripted":
             script = [3, 1, 4, 1, 5, 2, 0]
-            policy = Scripted(model.num_layers, script, 2, lambda r: 2, vocab=VOCAB, **options)
+            scripted = {"context": 2, **options}
+            policy = Scripted(
+                model.num_layers, script, correct=lambda r: 2, vocab=VOCAB, **scripted
+            )
         else:
             policy = make_policy(strategy, model.num_layers, **options)
         out = decode_tokens(

@@ -9,7 +9,7 @@ O(max_ngram); a proposal costs O(max_ngram) lookups plus the tokens it copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 MIN_NGRAM = 1
@@ -33,7 +33,9 @@ class ContextIndex:
     `propose(limit)` matches the longest suffix of the sequence (from `max_ngram` down to
     `min_ngram` tokens) and proposes the tokens that followed its latest earlier occurrence;
     when the copy reaches the end of the sequence (a repeating pattern), it matches again on
-    the sequence extended by what it proposed, up to `limit` tokens.
+    the sequence extended by what it proposed, up to `limit` tokens. `propose(limit, after)`
+    does the same for the sequence followed by the tokens `after` (a round's drafts, not yet
+    committed: their own n-grams are not indexed).
     """
 
     def __init__(
@@ -60,23 +62,24 @@ class ContextIndex:
                     table[tuple(seq[i - n : i])] = i
             seq.append(token)
 
-    def propose(self, limit: int) -> ContextProposal:
-        """Up to `limit` tokens that followed the latest earlier occurrence of the sequence's
-        longest matching suffix (see the class docstring)."""
+    def propose(self, limit: int, after: Sequence[int] = ()) -> ContextProposal:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest
+        matching suffix of the sequence, extended by `after` (see the class docstring)."""
         if limit < 1:
             return NO_PROPOSAL
         seq = self.tokens
-        out: list[int] = []
+        tail = list(after)  # the tokens after `seq`: `after`, then the proposal
         first_order = 0
-        while len(out) < limit:
-            start, order = self._match(seq, out)
+        while len(tail) - len(after) < limit:
+            start, order = self._match(seq, tail)
             if start is None:
                 break
             first_order = first_order or order
-            # copy what followed the match; past the end of `seq`, continue into `out` itself
-            stop = min(len(seq), start + limit - len(out))
-            out.extend(seq[start:stop])
-        return ContextProposal(out[:limit], first_order) if out else NO_PROPOSAL
+            # copy what followed the match; past the end of `seq`, continue into `tail` itself
+            stop = min(len(seq), start + limit - (len(tail) - len(after)))
+            tail.extend(seq[start:stop])
+        out = tail[len(after) :]
+        return ContextProposal(out, first_order) if out else NO_PROPOSAL
 
     def _match(self, seq: list[int], tail: list[int]) -> tuple[int | None, int]:
         """Where the tokens after the longest suffix of `seq + tail` found in the index start,

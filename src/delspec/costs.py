@@ -117,6 +117,8 @@ class MeasuredCost:
     A round that first drafts c context tokens (free to make) verifies c + d + 1 positions; with
     layer drafts after them, drafting runs the input and the c tokens through [0, l) in one pass
     and d - 1 more tokens one at a time. With d = 0 it is every layer over c + 1 positions.
+    Context tokens taken after d > 0 layer drafts (a more) join the last draft token's pass
+    through [0, l) and the verification of every position.
 
     Layer timings are those at the sequence position set by `at` (the profile's own context
     until then): a layer reads every earlier position, so rounds cost more as a reply grows.
@@ -181,23 +183,26 @@ class MeasuredCost:
         return self._here(base, per_position, overhead)
 
     def _grid_parts(
-        self, exits: Ints, lengths: Ints, levels: Ints, context: int
+        self, exits: Ints, lengths: Ints, levels: Ints, context: int, after: int = 0
     ) -> tuple[Array, Array]:
         """A grid's seconds at the profile's context, and what each position further adds."""
         p = self.profile
-        key = (tuple(exits), tuple(lengths), tuple(levels), context)
+        key = (tuple(exits), tuple(lengths), tuple(levels), context, after)
         base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key)
         slopes = p.layer_slope or [0.0] * len(p.layer)
         nothing = [0.0] * len(p.head), [0.0] * len(p.draft_head)
         return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *key)
 
-    def round_seconds(self, exit_layer: int, drafted: int, level: int, context: int) -> float:
+    def round_seconds(
+        self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0
+    ) -> float:
         """`grid`'s one cell, for a round that ran (kept per cell as a number: a policy asks
-        for each round's, where a grid's work per call would cost a good share of a step)."""
-        key = (exit_layer, drafted, level, context)
+        for each round's, where a grid's work per call would cost a good share of a step),
+        with `after` context tokens after the `drafted` layer drafts."""
+        key = (exit_layer, drafted, level, context, after)
         parts = self._cells.get(key)
         if parts is None:
-            base, per_position = self._grid_parts([exit_layer], [drafted], [level], context)
+            base, per_position = self._grid_parts([exit_layer], [drafted], [level], *key[3:])
             parts = self._cells[key] = (float(base[0, 0]), float(per_position[0, 0]))
         return self._here(*parts, self.overhead_of(drafted > 0))
 
@@ -219,11 +224,14 @@ class MeasuredCost:
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
+        after: int,
     ) -> Array:
         """`grid` without the overhead, from the given timings (which it is linear in)."""
         layer, head = np.asarray(layer_s), np.asarray(head_s)
         lengths = np.asarray(draft_lengths)
-        k = np.minimum(lengths + context + 1, len(layer_s)) - 1  # index of rows verified
+        after_drafts = np.where(lengths > 0, after, 0)  # context tokens after layer drafts
+        rows = lengths + context + after_drafts + 1
+        k = np.minimum(rows, len(layer_s)) - 1  # index of rows verified
         e = np.asarray(exit_layers, dtype=np.float64)[:, None]
         d = lengths[None, :].astype(np.float64)
         head_d = np.asarray(draft_head_s)[list(levels)][:, None]
@@ -236,7 +244,8 @@ class MeasuredCost:
         if self.profile.int8:  # every layer again over every position
             verify = every_layer
         else:
-            verify = e * layer[0] + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
+            last = layer[np.minimum(after_drafts, len(layer_s) - 1)][None, :]  # [0, e) again
+            verify = e * last + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
             verify = np.where(d > 0, verify, every_layer)  # no layer draft: every layer
         return draft + verify
 
@@ -537,9 +546,13 @@ class CostCheck:
         profile that was not measured (no `path`: given by hand) is left as it is."""
         if not self.cost.profile.path:
             return None
-        d = len(record.drafted) - record.from_context
+        d = record.layer_drafts
         predicted = self.cost.round_seconds(
-            record.exit_layer if d else 0, d, record.level if d else 0, record.from_context
+            record.exit_layer if d else 0,
+            d,
+            record.level if d else 0,
+            record.from_context,
+            record.context_after,
         )
         actual = record.draft_s + record.verify_s
         model_s = predicted - self.cost.overhead_of(d > 0)

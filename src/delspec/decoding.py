@@ -48,7 +48,7 @@ class Stats:
     mean_draft_length: float = 0.0  # over all rounds
     layer_rounds: int = 0  # rounds with exit-layer drafts
     context_rounds: int = 0  # rounds with context drafts
-    mixed_rounds: int = 0  # rounds with both (context drafts first)
+    mixed_rounds: int = 0  # rounds with both (context drafts before the layer's or after)
     context_drafted: int = 0
     context_accepted: int = 0
     draft_s: float = 0.0
@@ -154,8 +154,22 @@ class Decoding:
         plan = policy.plan(engine.propose(min(budget, policy.context_limit)))
         context = list(plan.context[:budget])
         cap = min(plan.draft_cap, budget - len(context))
+        then = None
+        if policy.context_ngrams is not None:
+
+            def then(drafted: list[int], last: bool) -> list[int]:
+                limit = min(budget - len(drafted), policy.context_limit)
+                proposal = engine.propose(limit, drafted)
+                return policy.follow(proposal, len(drafted) - len(context), last)[:limit]
+
         record = engine.round(
-            plan.exit_layer, cap, policy.keep_drafting, policy.collect_hidden, plan.level, context
+            plan.exit_layer,
+            cap,
+            policy.keep_drafting,
+            policy.collect_hidden,
+            plan.level,
+            context,
+            then,
         )
         t_obs = time.perf_counter()
         policy.observe(record)
@@ -344,17 +358,19 @@ class _Totals:
         stats.policy_s += policy_s
         stats.draft_s += record.draft_s
         stats.verify_s += record.verify_s
-        n = len(record.drafted)
+        n, accepted, after = len(record.drafted), record.accepted, record.context_after
         stats.rounds += 1
         stats.drafted += n
-        stats.accepted += record.accepted
-        if record.from_context:
+        stats.accepted += accepted
+        layer_drafts = record.layer_drafts
+        if record.from_context or after:
             stats.context_rounds += 1
-            stats.mixed_rounds += n > record.from_context
-            stats.context_drafted += record.from_context
-            stats.context_accepted += min(record.accepted, record.from_context)
-        self.layer_loads += record.exit_layer * (n - record.from_context) + self.num_layers
-        if n > record.from_context:
+            stats.mixed_rounds += layer_drafts > 0
+            stats.context_drafted += record.from_context + after
+            stats.context_accepted += min(accepted, record.from_context)
+            stats.context_accepted += max(0, accepted - (n - after))
+        self.layer_loads += record.exit_layer * layer_drafts + self.num_layers
+        if layer_drafts:
             self.exit_sum += record.exit_layer
             stats.layer_rounds += 1
 
@@ -383,6 +399,7 @@ def _trace_entry(index: int, record: Round) -> dict[str, Any]:
         "level": record.level,
         "drafted": len(record.drafted),
         "from_context": record.from_context,
+        "context_after": record.context_after,
         "accepted": record.accepted,
         "committed": len(record.tokens),
         "draft_ms": round(record.draft_s * 1000, 3),

@@ -3,17 +3,20 @@
 A round starts from the newest committed token (not yet run through any layer). It may first take
 draft tokens from the context (a `ContextProposal`: they cost no model work). Drafting runs layers
 [0, E) plus the exit head on the newest token (with the context's tokens, in one pass),
-autoregressively. Verification runs layers [0, E) on the last draft token only, then layers [E, L)
-over every unverified position in one pass, using the layer-E states kept from drafting (with no
-exit-layer draft: every layer over the input and the context's tokens). E = L drafts from the final
-layer's own states through the exit head; verification is then the full LM head over every
-unverified position, which pays when the exit head is much cheaper (a pruned vocabulary). With an
+autoregressively; after the exit layer's drafts, the round may take more context tokens, found
+after the sequence and its drafts. Verification runs layers [0, E) on the last draft token (and
+those context tokens) only, then layers [E, L) over every unverified position in one pass, using
+the layer-E states kept from drafting (with no exit-layer draft: every layer over the input and
+the context's tokens). E = L drafts from the final layer's own states through the exit head;
+verification is then the full LM head over every unverified position (and every layer over
+those context tokens), which pays when the exit head is much cheaper (a pruned vocabulary). With an
 int8 exit head (`ExitHead.int8`), drafts run layers [0, E) on int8 weight copies; their states and
 cache entries are approximate, so verification runs every layer over every unverified position
 (their cache entries are then rewritten exactly). Acceptance is greedy (longest matching prefix
 plus the target's token) or speculative sampling (a context draft is one token with certainty:
 accepted with the target's probability of it). The engine knows no policy: it is told the context
-tokens, the exit layer and the draft cap, and asked after each draft token whether to go on.
+tokens, the exit layer and the draft cap, and asked after each draft token whether to go on and
+which context tokens, if any, to take instead.
 """
 
 from __future__ import annotations
@@ -148,10 +151,16 @@ class Round:
     context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
     level: int = 0  # the exit head's draft vocabulary (`ExitHead.vocabs`) the drafts came from
     from_context: int = 0  # leading drafted tokens that came from the context, not the exit
+    context_after: int = 0  # trailing drafted tokens from the context, after the exit layer's
     draft_s: float = 0.0
     verify_s: float = 0.0
     extra: dict = field(default_factory=dict)  # policy annotations for traces
     logits: Tensor | None = None  # the full head's, after the input and each draft token
+
+    @property
+    def layer_drafts(self) -> int:
+        """How many drafted tokens came from the exit layer."""
+        return len(self.drafted) - self.from_context - self.context_after
 
 
 @dataclass
@@ -225,9 +234,10 @@ class Engine:
         if self.index is not None:
             self.index.extend(tokens)
 
-    def propose(self, limit: int) -> ContextProposal:
-        """Up to `limit` context draft tokens after the newest one (none without an index)."""
-        return NO_PROPOSAL if self.index is None else self.index.propose(limit)
+    def propose(self, limit: int, after: list[int] | None = None) -> ContextProposal:
+        """Up to `limit` context draft tokens after the newest one, or after it and the tokens
+        `after` (none without an index)."""
+        return NO_PROPOSAL if self.index is None else self.index.propose(limit, after or ())
 
     def discard_warmup(self) -> None:
         """Forget the prompt states kept for the first round (it is not this engine's)."""
@@ -242,10 +252,13 @@ class Engine:
         collect: bool = False,
         level: int = 0,
         context: list[int] | None = None,
+        then: Callable[[list[int], bool], list[int]] | None = None,
     ) -> Round:
         """Run one round and commit its tokens: the `context` draft tokens (if any), then up to
         `draft_cap` drafts from layer `exit_layer` with the exit head's vocabulary `level`.
-        No draft at all is a plain full step."""
+        After each of these, `then(drafts so far, whether the layer's drafting ends there)`
+        may give context tokens to draft next (up to an end of sequence), which end the
+        layer's drafting. No draft at all is a plain full step."""
         pos = len(self.tokens) - 1
         context = through_eos(context or [], self.eos)
         if context and context[-1] in self.eos:
@@ -254,7 +267,7 @@ class Engine:
             exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
         draft = self._context_draft(context)
-        self._draft(draft, pos, exit_layer, draft_cap, keep_drafting, collect, level)
+        after = self._draft(draft, pos, exit_layer, draft_cap, keep_drafting, collect, level, then)
         t1 = time.perf_counter()
         logits, deep = self._verify(pos, exit_layer, draft, collect)
         targets, accepted, next_token = self._accept(logits, draft)
@@ -277,6 +290,7 @@ class Engine:
             hidden,
             level=level,
             from_context=len(context),
+            context_after=after,
         )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         record.logits = logits
@@ -304,13 +318,19 @@ class Engine:
 
     def _context_draft(self, tokens: list[int]) -> _Draft:
         """A draft of context `tokens`, each drafted with certainty (probability 1)."""
-        draft = _Draft(list(tokens), [1.0] * len(tokens))
+        draft = _Draft()
+        self._add_certain(draft, tokens)
+        return draft
+
+    def _add_certain(self, draft: _Draft, tokens: list[int]) -> None:
+        """Add context `tokens` to `draft`, each drafted with certainty (probability 1)."""
+        draft.tokens.extend(tokens)
+        draft.confidences.extend([1.0] * len(tokens))
         if tokens and not self.sampling.greedy:
             vocab, dtype = self.model.config.vocab_size, _float(self.model.dtype)
             certain = torch.zeros(len(tokens), vocab, dtype=dtype)
             certain[torch.arange(len(tokens)), tokens] = 1.0
-            draft.probs = list(certain.to(self.model.device))
-        return draft
+            draft.probs.extend(certain.to(self.model.device))
 
     def _draft(
         self,
@@ -321,11 +341,13 @@ class Engine:
         keep_drafting: Callable[[float], bool],
         collect: bool,
         level: int,
-    ) -> None:
+        then: Callable[[list[int], bool], list[int]] | None,
+    ) -> int:
         """Add up to `draft_cap` tokens to `draft` (the context's tokens so far) with layers
-        [0, exit_layer) and the exit head's vocabulary `level`; stops at EOS or when
-        `keep_drafting(confidence)` says no. The first pass runs the round's input (at position
-        `pos`) and the context's tokens together."""
+        [0, exit_layer) and the exit head's vocabulary `level`; stops at EOS, when
+        `keep_drafting(confidence)` says no, or when `then` gives context tokens to add after
+        a draft token (returns how many it added). The first pass runs the round's input (at
+        position `pos`) and the context's tokens together."""
         model = self.model
         int8 = self.exit_head.int8
         inputs = [self.tokens[-1], *draft.tokens]
@@ -339,18 +361,26 @@ class Engine:
             token, confidence = self._draft_token(h[-1:], exit_layer, level, draft.probs)
             draft.tokens.append(token)
             draft.confidences.append(confidence)
-            if token in self.eos or step + 1 == draft_cap or not keep_drafting(confidence):
+            if token in self.eos:
+                break
+            last = step + 1 == draft_cap or not keep_drafting(confidence)
+            after = through_eos(then(list(draft.tokens), last), self.eos) if then else []
+            if after:
+                self._add_certain(draft, after)
+                return len(after)
+            if last:
                 break
             inputs = [token]
+        return 0
 
     def _verify(
         self, pos: int, exit_layer: int, draft: _Draft, collect: bool
     ) -> tuple[Tensor, list[Tensor] | None]:
         """The full model's logits after the round's input and each draft token, and (when
         `collect`) the states of the layers it ran over all of them; `draft.early` gets the
-        last draft token's early-layer states."""
+        early-layer states of the draft tokens drafting did not run (the last one, and the
+        context's after it)."""
         model = self.model
-        n = len(draft.tokens)
         deep: list[Tensor] | None = [] if collect else None
         if not draft.states or self.exit_head.int8:  # every layer over the input and drafts
             inputs = [self.tokens[-1], *draft.tokens]
@@ -359,8 +389,9 @@ class Engine:
             )
         else:
             last: list[Tensor] | None = [] if collect else None
-            last_input = model.embed(draft.tokens[-1:])
-            h_last = model.run_layers(last_input, pos + n, 0, exit_layer, last, slot=self.slot)
+            ran = sum(len(states) for states in draft.states)  # positions from `pos` on
+            last_input = model.embed(draft.tokens[ran - 1 :])
+            h_last = model.run_layers(last_input, pos + ran, 0, exit_layer, last, slot=self.slot)
             states = torch.cat([*draft.states, h_last])
             h = model.run_layers(states, pos, exit_layer, model.num_layers, deep, slot=self.slot)
             if collect:

@@ -170,7 +170,8 @@ def _sources(result: BenchResult) -> list[str]:
     return [
         *lines,
         "",
-        "Shares of rounds by where their drafts came from (a plain round drafts nothing); "
+        "Shares of rounds by where their drafts came from (a plain round drafts nothing; "
+        "context + exit layer: context tokens before the exit layer's drafts or after them); "
         "acceptance: accepted over drafted tokens of each source.",
         "",
     ]

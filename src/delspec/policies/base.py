@@ -33,7 +33,8 @@ class Policy:
     finished round. `collect_hidden` asks the engine for every layer's states of each round;
     `warmup_window` asks for that many prompt positions as teacher-forced context in round 0;
     `context_ngrams` (the n-gram orders of a `ContextIndex`; None: none) asks for a
-    `ContextProposal` of up to `context_limit` tokens in each `plan`.
+    `ContextProposal` of up to `context_limit` tokens in each `plan`, and, after each
+    exit-layer draft token, for one found after the drafts so far (`follow`).
     Subclasses take the model's depth and their strategy's options (`delspec.decode_config`).
     """
 
@@ -56,6 +57,12 @@ class Policy:
     def keep_drafting(self, confidence: float) -> bool:
         """Whether to draft another token after one drafted with `confidence`."""
         return True
+
+    def follow(self, proposal: ContextProposal, layer_drafts: int, last: bool) -> list[int]:
+        """The context tokens to draft after the round's first `layer_drafts` exit-layer
+        drafts (the last ones if `last`), instead of any more of them: a prefix of `proposal`
+        (found after the sequence and the round's drafts). None here."""
+        return []
 
     def observe(self, record: Round) -> None:
         """Update statistics from a finished round; may annotate `record.extra` for traces."""

@@ -138,8 +138,8 @@ class DynamicExit(Policy):
         targets = record.targets.cpu()[positions]
         match = tokens == targets[None, :]
         valid = torch.ones(len(positions), dtype=torch.bool)
-        if record.from_context:  # the exit layer did not draft them all: up to the first reject
-            valid[record.context + record.accepted + 1 :] = False
+        if record.from_context or record.context_after:  # not all the exit layer's drafts:
+            valid[record.context + record.accepted + 1 :] = False  # up to the first reject
         elif record.exit_layer in layers:  # u_r, after the teacher-forced context (never clipped)
             row = layers.index(record.exit_layer)
             misses = (~match[row, record.context :]).nonzero()

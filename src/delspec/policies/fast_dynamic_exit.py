@@ -102,7 +102,10 @@ class FastDynamicExit(DynamicExit):
       (with `CONTEXT_PRIOR` unseen misses under the default `prior`).
       The round takes whichever of the layer plan, the context draft (its best length) and the
       extended draft promises the most tokens per measured second (a context draft, like a
-      layer draft, must beat a plain step by the margin).
+      layer draft, must beat a plain step by the margin). After each exit-layer draft token,
+      the context is asked again, after the sequence and the drafts so far: a prefix of that
+      proposal ends the layer's drafting where it makes the round promise more tokens per
+      second than drafting on as planned, or than stopping there (`follow`).
     - With `cost="measured"`, what exit-layer drafts really deliver is watched too: decayed
       tokens per second of the recent rounds that drafted from a layer against those of recent
       plain steps (both decay every round: a machine's speed drifts). Where a model's drafts
@@ -173,6 +176,7 @@ class FastDynamicExit(DynamicExit):
         self.recheck_in = -1  # rounds until a plain round put in place of layer drafts is
         # looked at again (`_recheck`; below 0: none is)
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
+        self.planned = Plan(0, 0)  # the round `plan` gave last
         self.context_score = _ContextScore(self.omega, self.context_prior)
         # per statistics row: exit-layer drafts made under the threshold tau, accepted or not
         self.below = ExitStatistics(self.levels * len(self.candidates), self.omega)
@@ -221,9 +225,11 @@ class FastDynamicExit(DynamicExit):
         else:
             layer_plan = super().plan()
         self.context_score.proposed(proposal)
-        if not proposal.tokens or self.in_warmup or not isinstance(self.cost, MeasuredCost):
-            return layer_plan
-        return self._with_context(layer_plan, proposal.tokens, proposal.order)
+        plan = layer_plan
+        if proposal.tokens and not self.in_warmup and isinstance(self.cost, MeasuredCost):
+            plan = self._with_context(layer_plan, proposal.tokens, proposal.order)
+        self.planned = plan
+        return plan
 
     def _with_context(self, layer_plan: Plan, tokens: list[int], order: int) -> Plan:
         """`layer_plan`, or a round that drafts the best prefix of the context's `tokens` (found
@@ -254,6 +260,42 @@ class FastDynamicExit(DynamicExit):
                     value, cap = mixed, min(length, layer_plan.draft_cap)
                     choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
         return choice if value > self._floor(layer_plan) else layer_plan
+
+    def follow(self, proposal: ContextProposal, layer_drafts: int, last: bool) -> list[int]:
+        """The prefix of `proposal` (found after the round's first `layer_drafts` exit-layer
+        drafts) that makes the round promise the most tokens per second, if any beats the
+        round without it: ending here (`last`), else drafting on as planned. Its tokens
+        count only if every layer draft is accepted, and cost the rows they add to the
+        verification (`MeasuredCost.round_seconds`). Not after context drafts, nor in the
+        warm-up. The proposal is scored whatever is taken of it."""
+        self.context_score.followed(proposal, layer_drafts)
+        lengths, tokens, plan = self.lengths_key, self.layer_tokens, self.planned
+        planned = layer_drafts if last else plan.draft_cap
+        if (
+            self.in_warmup
+            or plan.context
+            or not tokens
+            or not isinstance(self.cost, MeasuredCost)
+            or not {layer_drafts - 1, layer_drafts, planned} <= set(lengths)
+        ):
+            return []
+        cost, exit_layer, level = self.cost, plan.exit_layer, plan.level
+        value = tokens[lengths.index(planned)] / cost.round_seconds(exit_layer, planned, level, 0)
+        expected = tokens[lengths.index(layer_drafts)]
+        # the chance that all the layer's drafts are accepted: what the last one adds
+        chance = expected - tokens[lengths.index(layer_drafts - 1)]
+        first, then = self.context_score.acceptance(proposal.order)
+        chance *= first
+        best = 0
+        for k in range(1, len(proposal.tokens) + 1):
+            if chance < MIN_CHANCE:
+                break
+            expected += chance
+            chance *= then
+            tokens_per_s = expected / cost.round_seconds(exit_layer, layer_drafts, level, 0, k)
+            if tokens_per_s > value:
+                best, value = k, tokens_per_s
+        return proposal.tokens[:best]
 
     def _floor(self, layer_plan: Plan) -> float:
         """Tokens per second a round with context drafts must beat: `layer_plan`'s, and a plain
@@ -290,7 +332,7 @@ class FastDynamicExit(DynamicExit):
         count_final = bool(
             self.final_exact and self.final_rows and (rows is None or self._final_row not in rows)
         )
-        layer_drafts = len(record.drafted) > record.from_context
+        layer_drafts = record.layer_drafts > 0
         final_drafts = count_final and record.exit_layer == self.num_layers  # counted below
         # the layers' statistics changed: scored, or counted and moved (context drafts apart)
         changed = rows is not None
@@ -417,10 +459,10 @@ class FastDynamicExit(DynamicExit):
         each vocabulary level counts the accepted drafts it held. Returns whether its alpha
         moved (`_counted`)."""
         first = record.from_context  # the exit layer's drafts follow the context's
-        if record.accepted < first or len(record.drafted) == first:
+        if record.accepted < first or not record.layer_drafts:
             return False
         accepted = record.accepted - first
-        seen = min(accepted + 1, len(record.drafted) - first)
+        seen = min(accepted + 1, record.layer_drafts)
         held_by = self.exit_head.held(record.drafted[first : first + seen])
         confidence = record.confidences[first : first + seen]
         rows = self._level_rows([self.candidates.index(record.exit_layer)])
@@ -447,7 +489,7 @@ class FastDynamicExit(DynamicExit):
         to the first miss: whether later ones would have been is not known). Returns whether
         there were any."""
         first = record.from_context
-        drafted = len(record.drafted) - first
+        drafted = record.layer_drafts
         if record.accepted < first:  # the context's drafts missed before the layer's
             return False
         accepted = record.accepted - first
@@ -557,7 +599,7 @@ class _Realized:
         with the `overhead` seconds the policy spent on it."""
         for sums in self.sums.values():
             sums[:] = [self.decay * value for value in sums]
-        if len(record.drafted) > record.from_context:
+        if record.layer_drafts:
             kind = "layer"
         elif not record.drafted:
             kind = "plain"
@@ -601,6 +643,8 @@ class _ContextScore:
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
         self.proposal = NO_PROPOSAL  # this round's
+        self.after = NO_PROPOSAL  # this round's after its exit-layer drafts
+        self.after_drafts = 0  # how many exit-layer drafts `after` followed
 
     def learned(self, stats: ExitStatistics) -> None:
         """Start from `stats` (a previous sequence's) instead of nothing."""
@@ -616,7 +660,13 @@ class _ContextScore:
 
     def proposed(self, proposal: ContextProposal) -> None:
         """The round about to run had this proposal (drafted or not)."""
-        self.proposal = proposal
+        self.proposal, self.after = proposal, NO_PROPOSAL
+
+    def followed(self, proposal: ContextProposal, layer_drafts: int) -> None:
+        """The round had this proposal after its first `layer_drafts` exit-layer drafts
+        (drafted or not; the last one given is kept): it is scored if they were accepted (else
+        it followed tokens the sequence does not have)."""
+        self.after, self.after_drafts = proposal, layer_drafts
 
     def committed(self, record: Round) -> None:
         """Take the round's committed tokens; settle the proposals they decide."""
@@ -628,7 +678,10 @@ class _ContextScore:
         self.committed_tokens.extend(record.tokens)
         if self.proposal.tokens:
             self.pending.append((index, self.proposal))
-        self.proposal = NO_PROPOSAL
+        followed = record.from_context + self.after_drafts  # drafts before `after`'s
+        if self.after.tokens and record.accepted >= followed:
+            self.pending.append((index + followed, self.after))
+        self.proposal = self.after = NO_PROPOSAL
         settled, still = [], []
         for index, proposal in self.pending:
             outcome = _settled(proposal.tokens, self.committed_tokens, index)
