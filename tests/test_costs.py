@@ -54,6 +54,9 @@ def test_measured_cost_by_hand():
     # [5, 10) (5 * 3.0); the head, 0.5 per pass over any rows here, as before
     assert cost.round_seconds(5, 2, 0, 0, 2) == pytest.approx(10.5 + 10 + 15 + 0.5)
     assert cost.round_seconds(5, 2, 0, 0, 0) == pytest.approx(grid[1, 2])
+    # every prefix in one pass, beyond the profile's rows too
+    each = [cost.round_seconds(5, 2, 0, 0, k) for k in range(9)]
+    assert cost.after_seconds(5, 2, 0, 8) == pytest.approx(each)
     # no layer draft: nothing for context tokens to follow
     assert cost.round_seconds(0, 0, 0, 0, 2) == pytest.approx(cost.plain_seconds(1))
 

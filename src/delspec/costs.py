@@ -137,6 +137,7 @@ class MeasuredCost:
         # and which of its columns draft from a layer
         self._grids: dict[tuple, tuple[Array, Array, Array]] = {}
         self._cells: dict[tuple, tuple[float, float]] = {}  # the same for `round_seconds`
+        self._after: dict[tuple, tuple[list[float], list[float]]] = {}  # for `after_seconds`
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -148,6 +149,7 @@ class MeasuredCost:
         self._plain = self._plain_parts()
         self._grids.clear()
         self._cells.clear()
+        self._after.clear()
 
     def _plain_parts(self) -> list[tuple[float, float]]:
         """Per row count k (from 1): the seconds of k rows through every layer and the full head
@@ -183,9 +185,10 @@ class MeasuredCost:
         return self._here(base, per_position, overhead)
 
     def _grid_parts(
-        self, exits: Ints, lengths: Ints, levels: Ints, context: int, after: int = 0
+        self, exits: Ints, lengths: Ints, levels: Ints, context: int, after: Any = 0
     ) -> tuple[Array, Array]:
-        """A grid's seconds at the profile's context, and what each position further adds."""
+        """A grid's seconds at the profile's context, and what each position further adds
+        (`after`: context tokens after the layer drafts, one count or one per length)."""
         p = self.profile
         key = (tuple(exits), tuple(lengths), tuple(levels), context, after)
         base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key)
@@ -206,6 +209,25 @@ class MeasuredCost:
             parts = self._cells[key] = (float(base[0, 0]), float(per_position[0, 0]))
         return self._here(*parts, self.overhead_of(drafted > 0))
 
+    def after_seconds(self, exit_layer: int, drafted: int, level: int, most: int) -> list[float]:
+        """`round_seconds` of a round of `drafted` layer drafts (no context drafts first)
+        followed by 0, 1, ..., `most` context tokens, worked out in one pass per round shape
+        (a policy weighs every prefix of a proposal after a round's drafts)."""
+        key = (exit_layer, drafted, level)
+        parts = self._after.get(key)
+        if parts is None:
+            count = len(self.profile.layer)  # rows beyond the profile's cost what its last does
+            lengths, after = [drafted] * count, np.arange(count)
+            base, per_position = self._grid_parts([exit_layer], lengths, [level], 0, after)
+            parts = self._after[key] = (base[0].tolist(), per_position[0].tolist())
+        overhead = self.overhead_of(drafted > 0)
+        base, per_position = parts
+        last = len(base) - 1
+        return [
+            self._here(base[min(k, last)], per_position[min(k, last)], overhead)
+            for k in range(most + 1)
+        ]
+
     def overhead_of(self, layer_drafts: bool) -> float:
         """The policy's seconds per round with or without exit-layer drafts."""
         return self.layer_overhead if layer_drafts else self.overhead
@@ -224,7 +246,7 @@ class MeasuredCost:
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
-        after: int,
+        after: Any,
     ) -> Array:
         """`grid` without the overhead, from the given timings (which it is linear in)."""
         layer, head = np.asarray(layer_s), np.asarray(head_s)

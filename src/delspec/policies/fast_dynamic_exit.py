@@ -166,6 +166,7 @@ class FastDynamicExit(DynamicExit):
         # the value grid's rows (exit layer, level) and columns as the cost's key
         # (`MeasuredCost.grid`)
         self.lengths_key = tuple(self.draft_lengths.tolist())
+        self.length_column = {length: i for i, length in enumerate(self.lengths_key)}
         row_levels = tuple(level for level in range(self.levels) for _ in self.candidates)
         self.grid_key = (tuple(self.exit_layers.tolist()), self.lengths_key, row_levels)
         self.credit = 0.0  # seconds of shadow work the budget allows now
@@ -269,21 +270,25 @@ class FastDynamicExit(DynamicExit):
         verification (`MeasuredCost.round_seconds`). Not after context drafts, nor in the
         warm-up. The proposal is scored whatever is taken of it."""
         self.context_score.followed(proposal, layer_drafts)
-        lengths, tokens, plan = self.lengths_key, self.layer_tokens, self.planned
+        column, tokens, plan = self.length_column, self.layer_tokens, self.planned
         planned = layer_drafts if last else plan.draft_cap
         if (
-            self.in_warmup
+            not proposal.tokens
+            or self.in_warmup
             or plan.context
             or not tokens
             or not isinstance(self.cost, MeasuredCost)
-            or not {layer_drafts - 1, layer_drafts, planned} <= set(lengths)
+            or layer_drafts - 1 not in column
+            or layer_drafts not in column
+            or planned not in column
         ):
             return []
         cost, exit_layer, level = self.cost, plan.exit_layer, plan.level
-        value = tokens[lengths.index(planned)] / cost.round_seconds(exit_layer, planned, level, 0)
-        expected = tokens[lengths.index(layer_drafts)]
+        value = tokens[column[planned]] / cost.round_seconds(exit_layer, planned, level, 0)
+        seconds = cost.after_seconds(exit_layer, layer_drafts, level, len(proposal.tokens))
+        expected = tokens[column[layer_drafts]]
         # the chance that all the layer's drafts are accepted: what the last one adds
-        chance = expected - tokens[lengths.index(layer_drafts - 1)]
+        chance = expected - tokens[column[layer_drafts - 1]]
         first, then = self.context_score.acceptance(proposal.order)
         chance *= first
         best = 0
@@ -292,7 +297,7 @@ class FastDynamicExit(DynamicExit):
                 break
             expected += chance
             chance *= then
-            tokens_per_s = expected / cost.round_seconds(exit_layer, layer_drafts, level, 0, k)
+            tokens_per_s = expected / seconds[k]
             if tokens_per_s > value:
                 best, value = k, tokens_per_s
         return proposal.tokens[:best]
