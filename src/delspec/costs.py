@@ -185,7 +185,7 @@ class MeasuredCost:
         return self._here(base, per_position, overhead)
 
     def _grid_parts(
-        self, exits: Ints, lengths: Ints, levels: Ints, context: int, after: Any = 0
+        self, exits: Ints, lengths: Ints, levels: Ints, context: int, after: int | Array = 0
     ) -> tuple[Array, Array]:
         """A grid's seconds at the profile's context, and what each position further adds
         (`after`: context tokens after the layer drafts, one count or one per length)."""
@@ -246,7 +246,7 @@ class MeasuredCost:
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
-        after: Any,
+        after: int | Array,
     ) -> Array:
         """`grid` without the overhead, from the given timings (which it is linear in)."""
         layer, head = np.asarray(layer_s), np.asarray(head_s)

@@ -267,16 +267,16 @@ class FastDynamicExit(DynamicExit):
         drafts) that makes the round promise the most tokens per second, if any beats the
         round without it: ending here (`last`), else drafting on as planned. Its tokens
         count only if every layer draft is accepted, and cost the rows they add to the
-        verification (`MeasuredCost.round_seconds`). Not after context drafts, nor in the
+        verification (`MeasuredCost.after_seconds`). Not after context drafts, nor in the
         warm-up. The proposal is scored whatever is taken of it."""
         self.context_score.followed(proposal, layer_drafts)
-        column, tokens, plan = self.length_column, self.layer_tokens, self.planned
+        column, layer_tokens, plan = self.length_column, self.layer_tokens, self.planned
         planned = layer_drafts if last else plan.draft_cap
         if (
             not proposal.tokens
             or self.in_warmup
             or plan.context
-            or not tokens
+            or not layer_tokens
             or not isinstance(self.cost, MeasuredCost)
             or layer_drafts - 1 not in column
             or layer_drafts not in column
@@ -284,11 +284,12 @@ class FastDynamicExit(DynamicExit):
         ):
             return []
         cost, exit_layer, level = self.cost, plan.exit_layer, plan.level
-        value = tokens[column[planned]] / cost.round_seconds(exit_layer, planned, level, 0)
+        planned_s = cost.round_seconds(exit_layer, planned, level, 0)
+        value = layer_tokens[column[planned]] / planned_s
         seconds = cost.after_seconds(exit_layer, layer_drafts, level, len(proposal.tokens))
-        expected = tokens[column[layer_drafts]]
+        expected = layer_tokens[column[layer_drafts]]
         # the chance that all the layer's drafts are accepted: what the last one adds
-        chance = expected - tokens[column[layer_drafts - 1]]
+        chance = expected - layer_tokens[column[layer_drafts - 1]]
         first, then = self.context_score.acceptance(proposal.order)
         chance *= first
         best = 0
