@@ -117,8 +117,8 @@ class MeasuredCost:
     A round that first drafts c context tokens (free to make) verifies c + d + 1 positions; with
     layer drafts after them, drafting runs the input and the c tokens through [0, l) in one pass
     and d - 1 more tokens one at a time. With d = 0 it is every layer over c + 1 positions.
-    Context tokens taken after d > 0 layer drafts (a more) join the last draft token's pass
-    through [0, l) and the verification of every position.
+    A round that takes a context tokens after its d > 0 layer drafts runs them through [0, l)
+    with the last draft token, and verifies c + d + a + 1 positions.
 
     Layer timings are those at the sequence position set by `at` (the profile's own context
     until then): a layer reads every earlier position, so rounds cost more as a reply grows.
