@@ -190,11 +190,11 @@ class MeasuredCost:
         """A grid's seconds at the profile's context, and what each position further adds
         (`after`: context tokens after the layer drafts, one count or one per length)."""
         p = self.profile
-        key = (tuple(exits), tuple(lengths), tuple(levels), context, after)
-        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *key)
+        shape = (tuple(exits), tuple(lengths), tuple(levels), context, after)
+        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *shape)
         slopes = p.layer_slope or [0.0] * len(p.layer)
         nothing = [0.0] * len(p.head), [0.0] * len(p.draft_head)
-        return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *key)
+        return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *shape)
 
     def round_seconds(
         self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0

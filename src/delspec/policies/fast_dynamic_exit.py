@@ -148,7 +148,6 @@ class FastDynamicExit(DynamicExit):
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = np.flatnonzero(self.draft_lengths == 0)
         self.plain_column = int(plain[0]) if len(plain) else None  # d = 0 in the value grid
-        self.column = self.plain_column or 0  # the plan's draft length column (`_take`)
         if o.context_drafts:
             self.context_ngrams, self.context_limit = (MIN_NGRAM, MAX_NGRAM), o.draft_cap
 
@@ -314,7 +313,7 @@ class FastDynamicExit(DynamicExit):
         if not layer_plan.draft_cap or not self.layer_tokens:
             return plain
         seconds = cost.round_seconds(layer_plan.exit_layer, self.draft_length, layer_plan.level, 0)
-        return max(self.layer_tokens[self.column] / seconds, plain)
+        return max(self.layer_tokens[self.length_column[self.draft_length]] / seconds, plain)
 
     def observe(self, record: Round) -> None:
         start = time.perf_counter()
@@ -349,7 +348,7 @@ class FastDynamicExit(DynamicExit):
             changed |= self._count_final_layer(record)
         if not self._recheck(changed) and below:  # `_take` did not look at them again
             row = self._row_of(self.exit_layer, self.level)
-            self.below_pays = self._below_pays(row, self.column)
+            self.below_pays = self._below_pays(row, self.length_column[self.draft_length])
         elapsed = time.perf_counter() - start
         if not in_warmup:  # the warm-up's round is no plain step (it keeps the prompt's states)
             self.realized.add(record, elapsed)
@@ -510,7 +509,6 @@ class FastDynamicExit(DynamicExit):
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
-        self.column = column
         self.below_pays = self._below_pays(row, column)
 
     def _below_pays(self, row: int, column: int) -> bool:
