@@ -167,6 +167,28 @@ def test_row_bits_do_not_depend_on_batch_or_threads(qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_rows_taken_in_blocks_keep_their_bits(qtype):
+    """A product takes the rows of x a block at a time (`dl_row_block`: what fits in a share of
+    the core's L2): 43 rows in blocks of 8 give the bits of 43 rows in one block."""
+    lib = library()
+    raw = synthetic_blocks(qtype, 48, 256, seed=5)
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 256)
+    x = torch.randn(43, 256, generator=torch.Generator().manual_seed(6))
+    previous = lib.dl_set_block_bytes(0)
+    try:
+        block = lib.dl_row_block(256)  # half of this CPU's L2, in whole chunks of 8 rows
+        assert block >= 8 and block % 8 == 0
+        lib.dl_set_block_bytes(1 << 40)
+        assert lib.dl_row_block(256) >= len(x)
+        whole = weight(x)
+        lib.dl_set_block_bytes(1)
+        assert lib.dl_row_block(256) == 8
+        assert torch.equal(weight(x), whole)
+    finally:
+        lib.dl_set_block_bytes(previous)
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
 def test_tile_pairs_have_the_bits_of_single_tiles(qtype):
     """24 rows (a pair of tiles, computed at once with AVX-512, and an odd tile) give the bits of
     each tile of 8 rows alone."""

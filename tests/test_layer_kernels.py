@@ -228,6 +228,13 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
                 ]
                 assert torch.equal(torch.cat(parts), full), rows
             assert torch.equal(model.cache, runs["compiled"][2])
+            previous = library().dl_set_block_bytes(1)  # products take 8 rows at a time
+            try:
+                blocked = model.run_layers(model.embed(ids), 0, 0, model.num_layers)
+            finally:
+                library().dl_set_block_bytes(previous)
+            assert torch.equal(blocked, full)
+            assert torch.equal(model.cache, runs["compiled"][2])
     finally:
         torch.set_num_threads(count)
 

@@ -188,6 +188,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_gather.restype = i32
     lib.dl_matmul.argtypes = [i32, p, i64, i64, p, i64, i64, p, i64, i32]
     lib.dl_matmul.restype = i32
+    lib.dl_row_block.argtypes = [i64]
+    lib.dl_row_block.restype = i64
+    lib.dl_set_block_bytes.argtypes = [i64]
+    lib.dl_set_block_bytes.restype = i64
     lib.dl_dequantize.argtypes = [i32, p, i64, p, i64, p, i32]
     lib.dl_dequantize.restype = i32
     f32 = ctypes.c_float

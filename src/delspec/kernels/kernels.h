@@ -40,13 +40,19 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K);
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a);
 /* Bytes from one tile of 8 weight rows of K values to the next (0 for an unknown type). */
 int64_t dl_tile_stride(int type, int64_t K);
-/* y[m * ldy + c] = x[m] . W[c] for the M rows of `a` and the first `width` (<= 16) rows c of the
- * tile at `tile` and, when width > 8, the next tile (AVX-512 computes such a pair at once; the
- * bits are those of one tile at a time). */
-void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t M, float *y,
-             int64_t ldy, int width);
+/* y[m * ldy + c] = x[first + m] . W[c] for m < count and the first `width` (<= 16) rows c of
+ * the tile at `tile` and, when width > 8, the next tile (AVX-512 computes such a pair at once;
+ * the bits are those of one tile at a time). */
+void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first, int64_t count,
+             float *y, int64_t ldy, int width);
+/* How many rows of activations with K values a product takes at a time: a block that stays in
+ * the core's L2 while the weights stream past it (each row's bits are the same whatever the
+ * block). `dl_set_block_bytes` sets the L2 bytes it may fill (0: half of the reported L2) and
+ * returns the previous setting. */
+int64_t dl_row_block(int64_t K);
+int64_t dl_set_block_bytes(int64_t bytes);
 /* y[m * ldy + n] = x[m] . W[n] for the M rows of `a`, n < N, W tiled (dl_pack) in `type`.
- * Work-shared over tiles. */
+ * Work-shared over tiles, `dl_row_block` rows at a time. */
 void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activations *a, int64_t M,
                      float *y, int64_t ldy);
 

@@ -142,18 +142,19 @@ static void team_wait(Member *me) {
     me->since = omp_get_wtime();
 }
 
-/* out[m][0..width) for weight rows row..row + width - 1 of `w` (row a multiple of 8; width <= 16
- * and within one part: one tile or a pair), plus the bias. */
-static void linear_tiles(const Linear *w, int64_t row, int width, const Activations *a, int64_t M,
-                         float *out, int64_t ldo) {
+/* out[m][0..width) for rows m0 + m (m < count) of `a` and weight rows row..row + width - 1 of
+ * `w` (row a multiple of 8; width <= 16 and within one part: one tile or a pair), plus the
+ * bias. */
+static void linear_tiles(const Linear *w, int64_t row, int width, const Activations *a,
+                         int64_t m0, int64_t count, float *out, int64_t ldo) {
     int p = 0;
     int64_t first = 0;
     while (row >= first + w->rows[p]) first += w->rows[p++];
     int64_t local = row - first;
     const uint8_t *tile = w->tiles[p] + local / TILE * dl_tile_stride(w->type[p], w->K);
-    dl_tile(w->type[p], tile, a, M, out, ldo, width);
+    dl_tile(w->type[p], tile, a, m0, count, out, ldo, width);
     if (w->bias)
-        for (int64_t m = 0; m < M; ++m)
+        for (int64_t m = 0; m < count; ++m)
             for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
 }
 
@@ -169,14 +170,19 @@ static int pair_width(int64_t rows, int64_t local) {
 /* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over pairs of tiles (never
  * across parts), then the team's barrier. */
 static void linear(const Linear *w, const Activations *a, int64_t M, float *out, Member *me) {
-    int64_t pairs = 0;
+    int64_t pairs = 0, block = dl_row_block(a->K);
     for (int p = 0; p < w->parts; ++p) pairs += paired(w->rows[p]) / (2 * TILE);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        int64_t count = M - m0 < block ? M - m0 : block;
+        float *rows = out + m0 * w->N;
 #pragma omp for schedule(static) nowait
-    for (int64_t u = 0; u < pairs; ++u) {
-        int p = 0;
-        int64_t first = 0, local = 2 * TILE * u;
-        while (local >= paired(w->rows[p])) local -= paired(w->rows[p]), first += w->rows[p++];
-        linear_tiles(w, first + local, pair_width(w->rows[p], local), a, M, out + first + local, w->N);
+        for (int64_t u = 0; u < pairs; ++u) {
+            int p = 0;
+            int64_t first = 0, local = 2 * TILE * u;
+            while (local >= paired(w->rows[p])) local -= paired(w->rows[p]), first += w->rows[p++];
+            linear_tiles(w, first + local, pair_width(w->rows[p], local), a, m0, count,
+                         rows + first + local, w->N);
+        }
     }
     team_wait(me);
 }
@@ -188,14 +194,19 @@ static void gated_linear(const Model *m, const Linear *w, const Activations *a, 
                          float *act, float *scratch, Member *me) {
     int width = m->intermediate;
     float *gate = scratch, *up = scratch + M * 2 * TILE;
+    int64_t block = dl_row_block(a->K);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        int64_t count = M - m0 < block ? M - m0 : block;
 #pragma omp for schedule(static) nowait
-    for (int64_t u = 0; u < paired(width) / (2 * TILE); ++u) {
-        int64_t col = 2 * TILE * u;
-        int n = pair_width(width, col);
-        linear_tiles(w, col, n, a, M, gate, 2 * TILE);
-        linear_tiles(w, width + col, n, a, M, up, 2 * TILE);
-        for (int64_t r = 0; r < M; ++r)
-            dl_gated_row(gate + r * 2 * TILE, up + r * 2 * TILE, n, m->gelu, act + r * width + col);
+        for (int64_t u = 0; u < paired(width) / (2 * TILE); ++u) {
+            int64_t col = 2 * TILE * u;
+            int n = pair_width(width, col);
+            linear_tiles(w, col, n, a, m0, count, gate, 2 * TILE);
+            linear_tiles(w, width + col, n, a, m0, count, up, 2 * TILE);
+            for (int64_t r = 0; r < count; ++r)
+                dl_gated_row(gate + r * 2 * TILE, up + r * 2 * TILE, n, m->gelu,
+                             act + (m0 + r) * width + col);
+        }
     }
     team_wait(me);
 }
