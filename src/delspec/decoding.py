@@ -287,9 +287,8 @@ def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8)
 
 def paying_batch(seconds: dict[int, float]) -> int:
     """The smallest batch size whose step gives the most tokens per second of all the sizes
-    measured, to within `BATCH_GAIN`; `seconds`: the time of a step of each size. (Doubling
-    from 1 while a doubling paid stopped at the first size timed in a slow moment: 4 where 8
-    and 16 gave 10% more.)"""
+    measured, to within `BATCH_GAIN` (every size is looked at: one timed in a slow moment does
+    not stop the search); `seconds`: the time of a step of each size."""
     speed = {size: size / step for size, step in seconds.items()}
     best = max(speed.values())
     return min(size for size, tokens_per_s in speed.items() if tokens_per_s * BATCH_GAIN >= best)
