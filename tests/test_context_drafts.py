@@ -12,7 +12,7 @@ from test_costs import profile
 from test_lossless import run
 from tiny_models import tiny_model
 
-from delspec.context_drafts import MIN_NGRAM, NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.costs import MeasuredCost
 from delspec.decode_config import StaticOptions
 from delspec.decoding import Decoding, decode_tokens
@@ -26,7 +26,7 @@ def reference_proposal(tokens, limit, min_ngram, max_ngram, after=()):
     """What `ContextIndex.propose` must give, by scanning the whole sequence each time (with
     the tokens `after` it, whose own n-grams are not matched against)."""
     out: list[int] = []
-    order = 0
+    match_length = 0
     while len(out) < limit:
         seq = tokens + list(after) + out
         for n in range(max_ngram, min_ngram - 1, -1):
@@ -39,10 +39,17 @@ def reference_proposal(tokens, limit, min_ngram, max_ngram, after=()):
                 break
         else:
             break
-        order = order or n
         start = starts[-1] + n
+        if not match_length:  # how far back the newest tokens equal those before `start`
+            match_length = n
+            while (
+                match_length < MAX_MATCH
+                and match_length < start
+                and tokens[start - 1 - match_length] == seq[-1 - match_length]
+            ):
+                match_length += 1
         out.extend(tokens[start : min(len(tokens), start + limit - len(out))])
-    return ContextProposal(out[:limit], order) if out else NO_PROPOSAL
+    return ContextProposal(out[:limit], match_length) if out else NO_PROPOSAL
 
 
 def test_proposes_what_followed_the_latest_longest_match():
@@ -51,6 +58,14 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert index.propose(2) == ContextProposal([8, 3], 2)
     index.extend([8])  # "1 2 8" now matches at order 3
     assert index.propose(3) == ContextProposal([3, 1, 2], 3)
+    # a match reported as far back as it reaches, beyond the n-gram order, up to MAX_MATCH
+    passage = list(range(100, 140))
+    assert ContextIndex([*passage, 7, *passage[:5]], 1, 4).propose(2) == ContextProposal(
+        passage[5:7], 5
+    )
+    assert ContextIndex([*passage, 7, *passage[:30]], 1, 4).propose(2) == ContextProposal(
+        passage[30:32], MAX_MATCH
+    )
     assert index.propose(0) == NO_PROPOSAL
     assert ContextIndex([1, 2, 3], min_ngram=2).propose(4) == NO_PROPOSAL  # no repeat
 
@@ -239,8 +254,8 @@ def test_the_index_holds_exactly_the_committed_tokens():
 
 def _fast_policy(layer_seconds, head_seconds, matched, mismatched, outcomes, **options):
     """A del-fast policy over exits 2, 5, 8 of a 10-layer model with a given profile, layer
-    statistics, and context statistics: 12 rounds of order-2 proposals that settled as
-    `outcomes` (whether each token matched, up to the first miss)."""
+    statistics, and context statistics: 12 rounds of proposals after 2-token matches that
+    settled as `outcomes` (whether each token matched, up to the first miss)."""
     model = tiny_model(seed=0, num_layers=10)
     policy = make_policy("del-fast", 10, candidates=[2, 5, 8], shadow_budget=None, **options)
     policy.cost = MeasuredCost(profile(layer_seconds, head_seconds), 10)
@@ -313,7 +328,7 @@ def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_n
         policy.start(ExitHead(model))
         policy.stats.matched = np.array([1.0, 1.0, 1.0])
         policy.stats.mismatched = np.array([30.0, 30.0, 30.0])
-        first = proposal.order - MIN_NGRAM  # the order's first-token row
+        first = policy.context_score.match_class(proposal.match_length)  # its first-token row
         policy.context_score.stats.matched[first] = 10.5
         policy.context_score.stats.mismatched[first] = 86.5  # 10.5 / (97 + 3 unseen) = 10.5%
         policy.cost.at(chosen_at)
@@ -352,9 +367,37 @@ def test_first_tokens_and_runs_are_counted_apart():
         score.count([(1, [False])])
     first, then = score.acceptance(1)
     assert 0.2 < first < 0.3 and 0.7 < then < 0.8
-    assert score.acceptance(2) == (0.0, 0.0)  # another order: nothing seen
     firsts, runs = np.split(score.stats.matched, 2)  # first-token rows, then all-token rows
     assert firsts[0] > 0 and runs[0] > firsts[0] and not firsts[1:].any() and not runs[1:].any()
+
+
+def test_longer_matches_are_classed_apart_and_start_from_shorter_ones():
+    """Proposals are counted by how far their match reached; a class seen little is priced
+    near the next shorter one's rates (not as if it had missed), and moves to its own."""
+    policy = _fast_policy(*FLAT, [1, 1, 1], [30, 30, 30], [])
+    score = policy.context_score
+    assert [score.match_class(n) for n in (1, 2, 3, 4, 5, 6, 9, 10, 16)] == [
+        0,
+        1,
+        2,
+        3,
+        3,
+        4,
+        4,
+        5,
+        5,
+    ]
+    for _ in range(10):  # 1-token matches: first token right 1 time in 4
+        score.count([(1, [True, False]), (1, [False]), (1, [False]), (1, [False])])
+    short = score.acceptance(1)
+    assert score.acceptance(2) == pytest.approx(short)  # nothing seen at 2: 1's rates
+    assert score.acceptance(16) == pytest.approx(short)
+    for _ in range(10):  # 12-token matches: right 6 tokens in a row every time
+        score.count([(12, [True] * 6)])
+    first, then = score.acceptance(12)
+    assert first > 0.75 and then > 0.75  # 10 seen (decayed) against 3 pseudo-counts
+    assert score.acceptance(5) == pytest.approx(short)  # the classes between: still 1's
+    assert score.acceptance(1) == pytest.approx(short)
 
 
 def test_context_tokens_follow_exit_layer_drafts_where_they_pay():
@@ -386,10 +429,10 @@ def test_a_proposal_after_exit_layer_drafts_is_scored_once_they_hold():
         record = Round(10, 2, drafted, [1.0] * 4, accepted, tokens, torch.tensor(tokens))
         record.context_after = 2
         score.committed(record)
-        first_row = 2 - MIN_NGRAM
+        first_row = score.match_class(2)
         seen = score.stats.matched[first_row] + score.stats.mismatched[first_row]
         assert (seen > 0) == counted
         if counted:  # 5 matched, then 6 did not (9 was committed)
-            every = score.ORDERS + first_row  # the order's all-token row
+            every = score.CLASSES + first_row  # the class's all-token row
             assert score.stats.mismatched[first_row] == 0 < score.stats.matched[first_row]
             assert score.stats.matched[every] == score.stats.mismatched[every] > 0

@@ -4,7 +4,8 @@ like any draft.
 
 `ContextIndex` keeps, for every n-gram of the sequence (n in [min_ngram, max_ngram]), the latest
 position where it occurred with a known next token. Appending a token updates it in
-O(max_ngram); a proposal costs O(max_ngram) lookups plus the tokens it copies.
+O(max_ngram); a proposal costs O(max_ngram) lookups, up to `MAX_MATCH` token comparisons (how
+far the match reaches back), plus the tokens it copies.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from typing import NamedTuple
 
 MIN_NGRAM = 1
 MAX_NGRAM = 4
+MAX_MATCH = 16  # the longest match length a proposal reports
 
 
 class ContextProposal(NamedTuple):
-    """Draft tokens found in the context, and the length of the suffix match (n-gram order)
-    that found the first of them (0: nothing matched)."""
+    """Draft tokens found in the context, and how many of the sequence's newest tokens matched
+    where the first of them was copied from (at least the n-gram order that found it, at most
+    `MAX_MATCH`; 0: nothing matched). A long match (a passage being copied) predicts its
+    continuation far better than a single shared token does."""
 
     tokens: list[int]
-    order: int
+    match_length: int
 
 
 NO_PROPOSAL = ContextProposal([], 0)
@@ -69,17 +73,17 @@ class ContextIndex:
             return NO_PROPOSAL
         seq = self.tokens
         tail = list(after)  # the tokens after `seq`: `after`, then the proposal
-        first_order = 0
+        match_length = 0
         while len(tail) - len(after) < limit:
             start, order = self._match(seq, tail)
             if start is None:
                 break
-            first_order = first_order or order
+            match_length = match_length or _reach(seq, tail, start, order)
             # copy what followed the match; past the end of `seq`, continue into `tail` itself
             stop = min(len(seq), start + limit - (len(tail) - len(after)))
             tail.extend(seq[start:stop])
         out = tail[len(after) :]
-        return ContextProposal(out, first_order) if out else NO_PROPOSAL
+        return ContextProposal(out, match_length) if out else NO_PROPOSAL
 
     def _match(self, seq: list[int], tail: list[int]) -> tuple[int | None, int]:
         """Where the tokens after the longest suffix of `seq + tail` found in the index start,
@@ -95,3 +99,16 @@ class ContextIndex:
             if start is not None:
                 return start, n
         return None, 0
+
+
+def _reach(seq: list[int], tail: list[int], start: int, order: int) -> int:
+    """How many of the newest tokens of `seq + tail` equal those before `seq[start]` (`order`
+    of them are known to), up to `MAX_MATCH`."""
+    length = order
+    while length < MAX_MATCH and start - 1 - length >= 0:
+        back = length - len(tail)  # how far the token sits from the end of `seq`
+        newest = tail[-1 - length] if back < 0 else seq[-1 - back]
+        if seq[start - 1 - length] != newest:
+            break
+        length += 1
+    return length

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import bisect
 import copy
 import time
 import weakref
@@ -35,11 +36,17 @@ MIN_CHANCE = 0.01  # a context draft token less likely than this to be accepted 
 # a round that counted only drafts and the final layer chooses again (`_counted`)
 RECHOOSE_SHIFT = 0.03
 MIN_BELOW = 3.0  # (decayed) drafts under the threshold seen before their acceptance counts
-# Unseen misses counted for each context match order (under the default `prior`): a match
-# order's first tokens are seen once per proposal, not at every position as a layer's are, and
-# what a previous reply carried over (code: single-token matches often right) can be far from
-# this one's (chat: rarely); with 1, such drafts kept being made on short replies.
+# Unseen misses counted for the shortest context matches (under the default `prior`), and the
+# pseudo-counts by which each longer class starts from the next shorter one's rates: a class's
+# first tokens are seen once per proposal, not at every position as a layer's are, and what a
+# previous reply carried over (code: single-token matches often right) can be far from this
+# one's (chat: rarely); with 1, such drafts kept being made on short replies.
 CONTEXT_PRIOR = 3.0
+# The shortest match length (`ContextProposal.match_length`) of each class of context proposals
+# with statistics of its own. Replaying `ar` on the bench prompts, a first token was accepted
+# 19% of the time after a match of 1 token, 52-54% after 2-3, 78-84% after 4-9 and 99% after
+# 10 or more (SmolLM2); per n-gram order alone, the longest class mixed the last three.
+MATCH_CLASSES = (1, 2, 3, 4, 6, 10)
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -98,8 +105,8 @@ class FastDynamicExit(DynamicExit):
       no model cost), as a context draft alone, or one extended by exit-layer drafts. Each
       round's proposal is scored against the tokens the sequence then commits (the verifier's,
       so exact under greedy decoding and unbiased under sampling), whether it was drafted or
-      not: decayed acceptance statistics per match order, like a layer's, at no model cost
-      (with `CONTEXT_PRIOR` unseen misses under the default `prior`).
+      not: decayed acceptance statistics per class of match length, like a layer's, at no
+      model cost (`_ContextScore`, `CONTEXT_PRIOR`).
       The round takes whichever of the layer plan, the context draft (its best length) and the
       extended draft promises the most tokens per measured second (a context draft, like a
       layer draft, must beat a plain step by the margin). After each exit-layer draft token,
@@ -227,16 +234,16 @@ class FastDynamicExit(DynamicExit):
         self.context_score.proposed(proposal)
         plan = layer_plan
         if proposal.tokens and not self.in_warmup and isinstance(self.cost, MeasuredCost):
-            plan = self._with_context(layer_plan, proposal.tokens, proposal.order)
+            plan = self._with_context(layer_plan, proposal.tokens, proposal.match_length)
         self.planned = plan
         return plan
 
-    def _with_context(self, layer_plan: Plan, tokens: list[int], order: int) -> Plan:
+    def _with_context(self, layer_plan: Plan, tokens: list[int], match_length: int) -> Plan:
         """`layer_plan`, or a round that drafts the best prefix of the context's `tokens` (found
-        by a suffix match of `order` tokens), alone or followed by `layer_plan`'s exit-layer
-        drafts: whichever promises the most tokens per second."""
+        by a suffix match of `match_length` tokens), alone or followed by `layer_plan`'s
+        exit-layer drafts: whichever promises the most tokens per second."""
         cost = self.cost
-        first, then = self.context_score.acceptance(order)
+        first, then = self.context_score.acceptance(match_length)
         best, value, expected, best_expected, chance = 0, 0.0, 1.0, 1.0, first
         for k in range(1, len(tokens) + 1):  # draft the first k context tokens
             if chance < MIN_CHANCE:  # adds under 1% of a token, for another row to verify
@@ -289,7 +296,7 @@ class FastDynamicExit(DynamicExit):
         expected = layer_tokens[column[layer_drafts]]
         # the chance that all the layer's drafts are accepted: what the last one adds
         chance = expected - layer_tokens[column[layer_drafts - 1]]
-        first, then = self.context_score.acceptance(proposal.order)
+        first, then = self.context_score.acceptance(proposal.match_length)
         chance *= first
         best = 0
         for k in range(1, len(proposal.tokens) + 1):
@@ -632,17 +639,23 @@ class _Realized:
 class _ContextScore:
     """Decayed acceptance statistics of context proposals, from each round's proposal compared
     with the tokens the sequence commits after it (a proposal stays pending until those tokens
-    settle it). Per match order, two rows: its proposals' first tokens (whose alpha is the
-    chance a first token is accepted) and all their tokens (whose continuation is the chance a
-    token after an accepted one is). One row of all tokens would mix the two: where the first
-    token is rarely right but a right one runs on (single-token matches on chat replies: 7%
-    and 40%), its alpha read 20-30% and proposals that missed kept being drafted."""
+    settle it). Per class of match length (`MATCH_CLASSES`), two rows: its proposals' first
+    tokens (whose alpha is the chance a first token is accepted) and all their tokens (whose
+    continuation is the chance a token after an accepted one is). One row of all tokens would
+    mix the two: where the first token is rarely right but a right one runs on (single-token
+    matches on chat replies: 7% and 40%), its alpha read 20-30% and proposals that missed kept
+    being drafted.
 
-    ORDERS = MAX_NGRAM - MIN_NGRAM + 1
+    A class's estimates start from the next shorter class's (`prior` pseudo-counts at its
+    rates; the shortest: `prior` unseen misses, and continuation towards its own alpha): a
+    longer match is no worse a guess than a shorter one, so a class seen a few times is not
+    priced as if its proposals had missed."""
+
+    CLASSES = len(MATCH_CLASSES)
 
     def __init__(self, omega: float, prior: float) -> None:
         self.prior = prior
-        self.stats = ExitStatistics(2 * self.ORDERS, omega)  # first-token rows, then all-token
+        self.stats = ExitStatistics(2 * self.CLASSES, omega)  # first-token rows, then all-token
         self.committed_tokens: list[int] = []  # since `origin`
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
@@ -654,12 +667,21 @@ class _ContextScore:
         """Start from `stats` (a previous sequence's) instead of nothing."""
         self.stats = stats
 
-    def acceptance(self, order: int) -> tuple[float, float]:
-        """A proposal of this match order: the chance its first token is accepted, and that a
-        token after an accepted one is."""
-        row = order - MIN_NGRAM
-        first, _ = self.stats.rates(row, self.prior)
-        _, then = self.stats.rates(self.ORDERS + row, self.prior)
+    @staticmethod
+    def match_class(match_length: int) -> int:
+        """The statistics class of a proposal whose match reached `match_length` tokens."""
+        return bisect.bisect_right(MATCH_CLASSES, match_length) - 1
+
+    def acceptance(self, match_length: int) -> tuple[float, float]:
+        """A proposal whose match reached `match_length` tokens: the chance its first token is
+        accepted, and that a token after an accepted one is."""
+        prior, classes, sums = self.prior, self.CLASSES, self.stats.sums
+        first, then = self.stats.rates(0, prior)[0], self.stats.rates(classes, prior)[1]
+        for row in range(1, self.match_class(match_length) + 1):
+            matched, mismatched = sums[:2, row].tolist()
+            after_match, continued = sums[4:, classes + row].tolist()
+            first = (matched + prior * first) / (matched + mismatched + prior or 1.0)
+            then = (continued + prior * then) / (after_match + prior or 1.0)
         return first, then
 
     def proposed(self, proposal: ContextProposal) -> None:
@@ -692,18 +714,18 @@ class _ContextScore:
             if outcome is None:
                 still.append((index, proposal))
             else:
-                settled.append((proposal.order, outcome))
+                settled.append((proposal.match_length, outcome))
         self.pending = still
         if settled:
             self.count(settled)
 
     def count(self, settled: list[tuple[int, list[bool]]]) -> None:
-        """Add settled proposals, (match order, whether each token matched up to and including
+        """Add settled proposals, (match length, whether each token matched up to and including
         the first miss), in one update of each row they touch (confidence 1 for every token)."""
         sums: dict[int, list[float]] = {}  # row -> ExitStatistics' six sums
-        for order, outcome in settled:
-            first = order - MIN_NGRAM
-            for row, match in ((first, outcome[:1]), (self.ORDERS + first, outcome)):
+        for match_length, outcome in settled:
+            first = self.match_class(match_length)
+            for row, match in ((first, outcome[:1]), (self.CLASSES + first, outcome)):
                 add = position_sums(match, [1.0] * len(match))
                 into = sums.setdefault(row, [0.0] * 6)
                 into[:] = [kept + new for kept, new in zip(into, add, strict=True)]
