@@ -101,14 +101,19 @@ class ExitStatistics:
         ]
         return new
 
-    def rates(self, row: int, prior: float = 0.0) -> tuple[float, float]:
+    def rates(
+        self, row: int, prior: float = 0.0, toward: tuple[float, float | None] = (0.0, None)
+    ) -> tuple[float, float]:
         """`alpha(prior)[row]` and `continuation(prior)[row]` of the one candidate `row`, in
-        scalar arithmetic (see `add_to`)."""
+        scalar arithmetic (see `add_to`). `toward`: the rates the `prior` pseudo-counts are
+        at, for alpha (default 0: unseen misses) and for the continuation (default None: the
+        row's alpha)."""
         matched, mismatched, _, _, after_match, continued = self.sums[:, row].tolist()
         total = matched + mismatched + prior
-        alpha = matched / total if total > 0 else 0.0
+        alpha = (matched + prior * toward[0]) / total if total > 0 else 0.0
+        base = alpha if toward[1] is None else toward[1]
         pairs = after_match + prior
-        return alpha, (continued + prior * alpha) / pairs if pairs > 0 else alpha
+        return alpha, (continued + prior * base) / pairs if pairs > 0 else base
 
     def alpha(self, prior: float = 0.0) -> Array:
         """Estimated acceptance rate A / (A + B + prior); 0 for a layer without data.

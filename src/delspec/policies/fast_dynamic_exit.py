@@ -675,13 +675,11 @@ class _ContextScore:
     def acceptance(self, match_length: int) -> tuple[float, float]:
         """A proposal whose match reached `match_length` tokens: the chance its first token is
         accepted, and that a token after an accepted one is."""
-        prior, classes, sums = self.prior, self.CLASSES, self.stats.sums
-        first, then = self.stats.rates(0, prior)[0], self.stats.rates(classes, prior)[1]
+        rates, prior, classes = self.stats.rates, self.prior, self.CLASSES
+        first, then = rates(0, prior)[0], rates(classes, prior)[1]
         for row in range(1, self.match_class(match_length) + 1):
-            matched, mismatched = sums[:2, row].tolist()
-            after_match, continued = sums[4:, classes + row].tolist()
-            first = (matched + prior * first) / (matched + mismatched + prior or 1.0)
-            then = (continued + prior * then) / (after_match + prior or 1.0)
+            first = rates(row, prior, (first, None))[0]
+            then = rates(classes + row, prior, (0.0, then))[1]
         return first, then
 
     def proposed(self, proposal: ContextProposal) -> None:
