@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from delspec import costs
 from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
@@ -160,6 +161,39 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     assert int8.int8 and int8.key != first.key and len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_a_profile_is_timed_from_the_most_rows_down_and_splits_rows_in_place(monkeypatch):
+    """The runs take turns from the most rows to the fewest (a one-row run never comes right
+    after a long one), and k rows' head is what they took beyond the layers alone (at least
+    half the head timed alone), the layers the rest: a head timed alone 2x slow for one row
+    does not make its layers read cheap."""
+    model = tiny_model(seed=0)
+    layers = model.num_layers
+    orders = []
+
+    def rows_of(key):
+        return 1 if key[0] == "drafted" else key[-1]
+
+    def timings(runs, rounds, device=None):
+        if not isinstance(next(iter(runs)), tuple):  # the draft heads' runs
+            return dict.fromkeys(runs, 0.001), True
+        orders.append([rows_of(key) for key in runs])
+        seconds = {}
+        for key in runs:
+            k = rows_of(key)
+            alone = 0.1 if k == 1 else 0.05  # one row's head timed alone 2x slow
+            seconds[key] = {"layer": 0.1 * k, "drafted": 0.1, "rows": 0.1 * k + 0.05}.get(
+                key[0], alone
+            )
+        return seconds, True
+
+    monkeypatch.setattr(costs, "settled_seconds", timings)
+    measured = costs.measure_profile(ExitHead(model), 2, 4, context=8, far=16)
+    (rows,) = orders
+    assert rows == sorted(rows, reverse=True) and rows[0] == 4 and rows[-1] == 1
+    assert measured.head == pytest.approx([0.05] * 4)
+    assert [layers * t for t in measured.layer] == pytest.approx([0.1 * k for k in range(1, 5)])
+
+
 def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
     model = tiny_model(seed=0)
     full = cached_profile(ExitHead(model), 2, 4, tmp_path)
@@ -217,18 +251,22 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
 
 
 def test_a_correction_is_stored_for_the_next_process(tmp_path):
-    """A profile plain steps found 1.5x too fast (not far enough off to measure again) is read
-    back corrected, every vocabulary's draft head too, and as old as it was; what drafting
-    rounds then correct (it follows what a process drafts) is not stored."""
+    """A profile plain steps found 2.25x too fast (not far enough off to measure again) is read
+    back corrected by 1.5 (the square root) once the next window of plain steps agrees with
+    it, every vocabulary's draft head too, and as old as it was; what drafting rounds then
+    correct (it follows what a process drafts) is not stored."""
     model = tiny_model(seed=0)
     measured = cached_profile(ExitHead(model), 2, 4, tmp_path)
     pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     before = copy.deepcopy(measured)  # the correction scales `measured` in place
     cost = MeasuredCost(measured, model.num_layers)
     plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
-    for _ in range(cost.check.window):  # one full window of plain steps 1.5x the prediction
-        cost.check.observe(plain, plain * 1.5, drafted=False)
-    assert cost.check.corrections == pytest.approx([1.5])
+    for _ in range(cost.check.window):  # one full window of plain steps 2.25x the prediction
+        cost.check.observe(plain, plain * 2.25, drafted=False)
+    assert cost.check.corrections == pytest.approx([2.25])
+    assert cached_profile(ExitHead(model), 2, 4, tmp_path).layer == before.layer  # not yet
+    for _ in range(cost.check.window):  # plain steps as the corrected profile says: confirmed
+        cost.check.observe(plain * 2.25, plain * 2.25, drafted=False)
     again = cached_profile(ExitHead(model), 2, 4, tmp_path)
     assert again.layer == pytest.approx([t * 1.5 for t in before.layer])
     assert again.head == pytest.approx([t * 1.5 for t in before.head])
@@ -238,10 +276,36 @@ def test_a_correction_is_stored_for_the_next_process(tmp_path):
     assert both.draft_head == pytest.approx([t * 1.5 for t in pruned.draft_head])
     for _ in range(cost.check.window):  # drafting rounds 2x the prediction: corrected, not stored
         cost.check.observe(plain, plain * 2.0, drafted=True)
-    assert cost.check.corrections == pytest.approx([1.5, 2.0])
-    assert cost.profile.draft_layer == pytest.approx(before.draft_layer * 3.0)
+    assert cost.check.corrections == pytest.approx([2.25, 2.0])
+    assert cost.profile.draft_layer == pytest.approx(before.draft_layer * 4.5)
     kept = cached_profile(ExitHead(model), 2, 4, tmp_path)
     assert kept.draft_layer == pytest.approx(before.draft_layer * 1.5)
+
+
+def test_a_passing_stretch_is_not_stored(tmp_path):
+    """Plain steps 2x the profile for one window and as it said for the next: the process
+    corrects it there and back, and the file keeps what was measured; a correction confirmed
+    after the stretch is stored as far as they leave it, and of that the square root."""
+    model = tiny_model(seed=0)
+    measured = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    before = copy.deepcopy(measured)
+    cost = MeasuredCost(measured, model.num_layers)
+    plain = float(cost.grid(torch.tensor([0]), torch.tensor([0]))[0, 0])
+    window = cost.check.window
+    for _ in range(window):  # plain steps 2x the profile: corrected in the process
+        cost.check.observe(plain, 2 * plain, drafted=False)
+    for _ in range(window):  # then as it was measured: corrected back
+        cost.check.observe(2 * plain, plain, drafted=False)
+    assert cost.check.corrections == pytest.approx([2.0, 0.5])
+    for _ in range(window):  # a window that agrees: the net correction (none) is confirmed
+        cost.check.observe(plain, plain, drafted=False)
+    assert cached_profile(ExitHead(model), 2, 4, tmp_path).layer == pytest.approx(before.layer)
+    for _ in range(window):
+        cost.check.observe(plain, plain * 2.25, drafted=False)
+    for _ in range(window):
+        cost.check.observe(plain * 2.25, plain * 2.25, drafted=False)
+    stored = cached_profile(ExitHead(model), 2, 4, tmp_path)
+    assert stored.layer == pytest.approx([t * 1.5 for t in before.layer])
 
 
 def test_cost_check_corrects_the_rows_the_profile_got_wrong():

@@ -36,7 +36,7 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 13
+PROFILE_VERSION = 14
 
 
 class LayerCost:
@@ -349,13 +349,16 @@ def measure_profile(
         one = states[:1]
 
         runs: dict[object, Callable[[], object]] = {}
+        rows_of: dict[object, int] = {}  # each run's rows
         every = range(1, max_tokens + 1)
         sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
         for at, counts in ((context, every), (far, sampled)):
             for k in counts:
                 h = states[:k]
                 runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
+                rows_of["layer", at, k] = k
             runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
+            rows_of["drafted", at] = 1
         for k in every:
             h = states[:k]
             runs["head", k] = lambda h=h: model.head(h)
@@ -365,15 +368,24 @@ def measure_profile(
             # SmolLM2, and a head alone up to 2x faster, so that verifying 2 rows read cheaper
             # than a plain step)
             runs["rows", k] = lambda h=h: model.head(model.run_layers(h, context, 0, layers))
-        seconds, settled = settled_seconds(runs, repeats, model.device)
+            rows_of["head", k] = rows_of["rows", k] = k
+        # taken from the most rows to the fewest: the few steps after a long verification run
+        # slower (on an Intel Xeon, the step after 19 rows up to 1.6x, recovering over about
+        # four steps), and in the order they were built, the one-row runs came right after the
+        # 19-row ones: one row read 25-35% dearer than in a decode loop, and a layer draft's
+        # every pass with it
+        ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
+        seconds, settled = settled_seconds(ordered, repeats, model.device)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     span = max(far - context, 1)
-    head = [seconds["head", k] for k in every]
-    # k rows with the head (the layers at least half of what they take alone), no less than
-    # fewer rows: a round that verifies more never reads as cheaper
-    rows = np.maximum.accumulate(
-        [max(seconds["rows", k], head[k - 1] + 0.5 * seconds["layer", context, k]) for k in every]
-    )
+    alone = [seconds["layer", context, k] for k in every]  # the layers without the head
+    # k rows with the head, no less than the layers alone nor than fewer rows: a round that
+    # verifies more never reads as cheaper
+    rows = np.maximum.accumulate([max(seconds["rows", k], alone[k - 1]) for k in every])
+    # the head's share of k rows: what they took beyond the layers alone (the head as a step
+    # meets it, right after the layers' weights; timed alone, after another run, one row's
+    # head read 1.5x two rows' on an Intel Xeon), at least half of the head timed alone
+    head = [max(rows[k - 1] - alone[k - 1], 0.5 * seconds["head", k]) for k in every]
     near = [(rows[k - 1] - head[k - 1]) / layers for k in every]  # a layer's share of k rows
     # per layer, what `far` positions add to the same rows after `context` (layers alone)
     measured = [(seconds["layer", far, k] - seconds["layer", context, k]) / layers for k in sampled]
@@ -519,9 +531,18 @@ class CostCheck:
     window of plain steps has confirmed (or corrected) theirs. The window then starts
     afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
     that the next run measures it again; any other correction from plain steps is stored in the
-    file (`store_correction`), so that the next process starts from it (an AMD EPYC's profile,
-    timed in a loop, read a third too fast for the rounds of every process, each correcting it
-    anew). One from drafting rounds is not stored: how far drafting rounds are off follows what
+    file (`store_correction`) once the next full window of plain steps agrees with it, so that
+    the next process starts from it (an AMD EPYC's profile, timed in a loop, read a third too
+    fast for the rounds of every process, each correcting it anew). Stored at once, a passing
+    stretch carried over: on an Intel Xeon one process stored x1.72 from its first plain steps
+    and the next x0.61, and long prompts, whose steps the profile's per-position slope
+    underestimated, stored x1.56 and x1.61 in two processes in a row. What stretches one window
+    and not the next is stored only as far as the later corrections leave it (their product,
+    once confirmed), and of that only the square root: the next process starts halfway (in
+    log terms) and corrects the rest itself if it holds, so that processes that each meet the
+    machine in another state do not undo each other by whole factors (on the same Xeon, with
+    the whole factor confirmed: x1.56, x0.62, x1.51 stored by three bench runs in a row). One
+    from drafting rounds is not stored: how far drafting rounds are off follows what
     the process drafted, and stored, it prices the next process's plain steps too (on SmolLM2,
     one process whose drafting rounds ran 1.44x the profile before any plain steps were compared
     stored x1.44 for every timing, and the processes after it chose differently from the same
@@ -558,6 +579,7 @@ class CostCheck:
         self.corrections: list[float] = []  # factors applied, in order
         self.row_corrections: list[tuple[int, float]] = []  # (rows, factor) applied, in order
         self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
+        self.unstored = 1.0  # plain steps' corrections since the last stored, not yet confirmed
         self.row_logs: dict[int, list[float]] = {}  # rows -> decayed [sum of log ratios, rounds]
 
     said: ClassVar[bool] = False  # the first correction in this process was reported
@@ -619,6 +641,8 @@ class CostCheck:
         beyond = max(high, low, key=len)
         if 4 * len(beyond) < 3 * self.window:
             self.plain_confirmed |= not drafted and not high and not low
+            if not drafted:
+                self._store_confirmed()
             return None
         factor = statistics.median(beyond)
         profile, multi_row_only = self.cost.profile, drafted and self.plain_confirmed
@@ -640,6 +664,13 @@ class CostCheck:
         if extreme and profile.path:
             mark_stale(profile.path)
             profile.settled = False
-        elif profile.path and not drafted:
-            store_correction(profile.path, factor)
+        elif not drafted:
+            self.unstored *= factor
         return factor
+
+    def _store_confirmed(self) -> None:
+        """A full window of plain steps agreed with the corrected profile: store the square
+        root of the corrections not stored yet in its file."""
+        if self.unstored != 1.0 and self.cost.profile.path:
+            store_correction(self.cost.profile.path, math.sqrt(self.unstored))
+        self.unstored = 1.0
