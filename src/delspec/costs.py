@@ -531,22 +531,18 @@ class CostCheck:
     window of plain steps has confirmed (or corrected) theirs. The window then starts
     afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
     that the next run measures it again; any other correction from plain steps is stored in the
-    file (`store_correction`) once the next full window of plain steps agrees with it, so that
-    the next process starts from it (an AMD EPYC's profile, timed in a loop, read a third too
-    fast for the rounds of every process, each correcting it anew). Stored at once, a passing
-    stretch carried over: on an Intel Xeon one process stored x1.72 from its first plain steps
-    and the next x0.61, and long prompts, whose steps the profile's per-position slope
-    underestimated, stored x1.56 and x1.61 in two processes in a row. What stretches one window
-    and not the next is stored only as far as the later corrections leave it (their product,
-    once confirmed), and of that only the square root: the next process starts halfway (in
-    log terms) and corrects the rest itself if it holds, so that processes that each meet the
-    machine in another state do not undo each other by whole factors (on the same Xeon, with
-    the whole factor confirmed: x1.56, x0.62, x1.51 stored by three bench runs in a row). One
-    from drafting rounds is not stored: how far drafting rounds are off follows what
-    the process drafted, and stored, it prices the next process's plain steps too (on SmolLM2,
-    one process whose drafting rounds ran 1.44x the profile before any plain steps were compared
-    stored x1.44 for every timing, and the processes after it chose differently from the same
-    prompts). The first stored or extreme correction in a process prints one line to stderr.
+    file (`store_correction`), so that the next process starts from it (an AMD EPYC's profile,
+    timed in a loop, read a third too fast for the rounds of every process, each correcting it
+    anew): once the next full window of plain steps agrees with the corrected profile, the
+    square root of the corrections made since the last store (a stretch that one window saw
+    and the next did not leaves nothing; the next process starts halfway, in log terms, and
+    corrects the rest if it holds: stored whole, three processes in a row on an Intel Xeon
+    stored x1.56, x0.62 and x1.51, each undoing the one before). One from drafting rounds is
+    not stored: how far drafting rounds are off follows what the process drafted, and stored,
+    it prices the next process's plain steps too (on SmolLM2, one process whose drafting rounds
+    ran 1.44x the profile before any plain steps were compared stored x1.44 for every timing,
+    and the processes after it chose differently from the same prompts). The first correction
+    from plain steps (or extreme one) in a process prints one line to stderr.
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
