@@ -192,16 +192,17 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
 ):
     """A model on block weights runs its layers in one compiled call (`dl_layers`): the same bits
     as the layer-by-layer path (states, collected states, cache), and each row the same whether
-    computed alone or with others (fewer and more rows than the cache is written ahead for).
-    F16 / BF16 weights take the float rows themselves, which the compiled call must keep."""
+    computed alone or with others (fewer and more rows than the cache is written ahead for, and
+    than the threads split the per-row steps from). F16 / BF16 weights take the float rows
+    themselves, which the compiled call must keep."""
     model = tiny_model(
         seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **FAMILIES[family]
     )
-    model.setup_cache(32)
+    model.setup_cache(80)
     compiled = model.compiled_layers()
     assert compiled is not None
     ids = torch.randint(
-        0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)
+        0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
     )
     count = torch.get_num_threads()
     torch.set_num_threads(threads)

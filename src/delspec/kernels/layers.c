@@ -38,6 +38,10 @@
 #define TILE 8
 #define MAX_PARTS 3
 #define WRITE_FIRST 5 /* from this many rows, the cache is written before attention */
+/* From this many rows (a prompt's), the threads split the per-row steps (norms, quantising the
+ * products' inputs, residuals) between them in shared buffers, with a barrier before each
+ * product; below it, each thread does them for every row in its own copy (no barrier). */
+#define SPLIT_ROWS 64
 
 /* A linear weight: up to 3 parts of consecutive output rows (each a multiple of 8), each tiled
  * in one GGUF type. */
@@ -211,29 +215,39 @@ static void gated_linear(const Model *m, const Linear *w, const Activations *a, 
     team_wait(me);
 }
 
-/* This thread's own states and scratch. */
+/* This thread's states and scratch: its own, or (`split`) the team's shared states, of which
+ * it takes rows [from, to) in the per-row steps. */
 typedef struct {
     float *h, *x, *delta; /* [rows][hidden] */
     float *gate;          /* [2][rows][16] */
     void *quantised;      /* Activations for the widest product input */
     float *attention;     /* dl_attention_scratch floats */
+    int64_t from, to;
+    int split;
 } Own;
 
-/* x = norm(h) for every row, quantised into a. */
-static void normed(const Model *m, const Own *own, const float *weight, Activations *a,
-                   int64_t rows) {
-    int d = m->hidden;
-    for (int64_t r = 0; r < rows; ++r)
-        dl_rms_norm_row(own->h + r * d, weight, m->eps, m->norm_offset, d, own->x + r * d);
-    dl_activations_at(a, own->quantised, rows, d);
-    dl_quantise_rows(own->x, d, 0, rows, a);
+/* The rows of `source` (row stride ld) this thread takes, quantised into `a` (laid out for all
+ * `rows`); with split rows, the team's barrier after it (a product reads every row). */
+static void quantised(const Own *own, const float *source, int64_t ld, Activations *a,
+                      int64_t rows, Member *me) {
+    dl_activations_at(a, own->quantised, rows, ld);
+    dl_quantise_rows(source, ld, own->from, own->to - own->from, a);
+    if (own->split) team_wait(me);
 }
 
-/* h += norm(delta) (or delta without a norm) for every row. */
-static void residual(const Model *m, const Own *own, const float *delta, const float *norm,
-                     int64_t rows) {
+/* x = norm(h) for this thread's rows, quantised into a. */
+static void normed(const Model *m, const Own *own, const float *weight, Activations *a,
+                   int64_t rows, Member *me) {
     int d = m->hidden;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = own->from; r < own->to; ++r)
+        dl_rms_norm_row(own->h + r * d, weight, m->eps, m->norm_offset, d, own->x + r * d);
+    quantised(own, own->x, d, a, rows, me);
+}
+
+/* h += norm(delta) (or delta without a norm) for this thread's rows. */
+static void residual(const Model *m, const Own *own, const float *delta, const float *norm) {
+    int d = m->hidden;
+    for (int64_t r = own->from; r < own->to; ++r) {
         const float *dr = delta + r * d;
         if (norm) {
             dl_rms_norm_row(dr, norm, m->eps, m->norm_offset, d, own->delta + r * d);
@@ -264,7 +278,7 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
     AttentionShape s = {m->heads, m->kv_heads, m->dim, m->length * m->dim, L->window, m->scale,
                         L->q_norm, L->k_norm, m->eps, m->norm_offset};
     Activations a;
-    normed(m, own, L->attn_norm, &a, rows);
+    normed(m, own, L->attn_norm, &a, rows, me);
     lap(profile, NORM, &since);
     linear(&L->qkv, &a, rows, qkv, me);
     lap(profile, QKV, &since);
@@ -276,20 +290,18 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
                       own->attention);
     team_wait(me);
     lap(profile, ATTENTION, &since);
-    dl_activations_at(&a, own->quantised, rows, att_n);
-    dl_quantise_rows(att, att_n, 0, rows, &a);
+    quantised(own, att, att_n, &a, rows, me);
     linear(&L->o, &a, rows, delta, me);
     lap(profile, OUTPUT, &since);
-    residual(m, own, delta, L->post_attn_norm, rows);
-    normed(m, own, L->mlp_norm, &a, rows);
+    residual(m, own, delta, L->post_attn_norm);
+    normed(m, own, L->mlp_norm, &a, rows, me);
     lap(profile, MLP_NORM, &since);
     gated_linear(m, &L->gate_up, &a, rows, act, own->gate, me);
     lap(profile, GATE_UP, &since);
-    dl_activations_at(&a, own->quantised, rows, width);
-    dl_quantise_rows(act, width, 0, rows, &a);
+    quantised(own, act, width, &a, rows, me);
     linear(&L->down, &a, rows, delta, me);
     lap(profile, DOWN, &since);
-    residual(m, own, delta, L->post_mlp_norm, rows);
+    residual(m, own, delta, L->post_mlp_norm);
     lap(profile, RESIDUAL, &since);
 }
 
@@ -314,7 +326,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
     int contiguous = 1; /* one sequence's consecutive positions */
     for (int64_t r = 1; r < rows; ++r)
         contiguous &= slots[r] == slots[0] && positions[r] == positions[0] + r;
-    int written = rows >= WRITE_FIRST || !contiguous;
+    int written = rows >= WRITE_FIRST || !contiguous, split = rows >= SPLIT_ROWS;
     size_t states = round64((size_t)(rows * d) * 4);
     size_t shared[] = {
         round64((size_t)(rows * m->layers[first].qkv.N) * 4), /* q/k/v */
@@ -344,22 +356,30 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         Member me = {&shared_team, omp_get_num_threads(), omp_get_wtime()};
-        if (omp_get_thread_num() == 0) size = me.size;
-        char *at = owned + own_bytes * (size_t)omp_get_thread_num();
-        Own own = {(float *)at, (float *)(at + states), (float *)(at + 2 * states),
-                   (float *)(at + 3 * states), at + 3 * states + gates,
-                   (float *)(at + 3 * states + gates + quantised)};
-        memcpy(own.h, h, (size_t)(rows * d) * 4);
+        int t = omp_get_thread_num();
+        if (t == 0) size = me.size;
+        char *at = owned + own_bytes * (size_t)t;
+        char *states_at = split && me.size > 1 ? owned : at; /* split: the first thread's */
+        Own own = {(float *)states_at, (float *)(states_at + states),
+                   (float *)(states_at + 2 * states), (float *)(at + 3 * states),
+                   states_at + 3 * states + gates, (float *)(at + 3 * states + gates + quantised),
+                   0, rows, split && me.size > 1};
+        if (own.split)
+            own.from = rows * t / me.size, own.to = rows * (t + 1) / me.size;
+        memcpy(own.h + own.from * d, h + own.from * d, (size_t)((own.to - own.from) * d) * 4);
         for (int i = first; i < last; ++i) {
             layer(m, &m->layers[i], &own, qkv, att, act, delta, &R, written, profile, &me);
-            if (collect && omp_get_thread_num() == 0)
+            if (collect && own.split) team_wait(&me);
+            if (collect && t == 0)
                 memcpy(collect + (int64_t)(i - first) * rows * d, own.h, (size_t)(rows * d) * 4);
         }
-        if (omp_get_thread_num() == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
+        if (own.split) team_wait(&me);
+        if (t == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
     }
     if (waits) {
-        int per_layer = 5 + (written ? 1 : 0);
-        waits[0] = (int64_t)(size - 1) * per_layer * (last - first);
+        int shared_rows = split && size > 1;
+        int per_layer = 5 + (written ? 1 : 0) + (shared_rows ? 4 + (collect ? 1 : 0) : 0);
+        waits[0] = (int64_t)(size - 1) * (per_layer * (last - first) + shared_rows);
         waits[1] = atomic_load(&shared_team.slept);
     }
     return 0;
