@@ -359,11 +359,12 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         int t = omp_get_thread_num();
         if (t == 0) size = me.size;
         char *at = owned + own_bytes * (size_t)t;
-        char *states_at = split && me.size > 1 ? owned : at; /* split: the first thread's */
+        int shared_states = split && me.size > 1;
+        char *states_at = shared_states ? owned : at; /* shared: the first thread's */
         Own own = {(float *)states_at, (float *)(states_at + states),
                    (float *)(states_at + 2 * states), (float *)(at + 3 * states),
                    states_at + 3 * states + gates, (float *)(at + 3 * states + gates + quantised),
-                   0, rows, split && me.size > 1};
+                   0, rows, shared_states};
         if (own.split)
             own.from = rows * t / me.size, own.to = rows * (t + 1) / me.size;
         memcpy(own.h + own.from * d, h + own.from * d, (size_t)((own.to - own.from) * d) * 4);
@@ -377,9 +378,9 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         if (t == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
     }
     if (waits) {
-        int shared_rows = split && size > 1;
-        int per_layer = 5 + (written ? 1 : 0) + (shared_rows ? 4 + (collect ? 1 : 0) : 0);
-        waits[0] = (int64_t)(size - 1) * (per_layer * (last - first) + shared_rows);
+        int shared_states = split && size > 1; /* 4 more barriers a layer, and one at the end */
+        int per_layer = 5 + (written ? 1 : 0) + (shared_states ? 4 + (collect ? 1 : 0) : 0);
+        waits[0] = (int64_t)(size - 1) * (per_layer * (last - first) + shared_states);
         waits[1] = atomic_load(&shared_team.slept);
     }
     return 0;
