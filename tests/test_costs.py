@@ -308,6 +308,22 @@ def test_a_passing_stretch_is_not_stored(tmp_path):
     assert stored.layer == pytest.approx([t * 1.5 for t in before.layer])
 
 
+def test_rows_corrected_below_fewer_rows_bring_those_down():
+    """A correction that makes 4 rows cheaper than 2 and 3 (never verified) lowers them to 4
+    rows' cost, rather than 4 rows being raised back to theirs; one row stays as it was, and
+    more rows are no cheaper than fewer."""
+    cost = MeasuredCost(profile([1.0, 1.05, 1.1, 1.3, 1.5], [0.5] * 5), LAYERS)
+    before = [cost.plain_seconds(k) for k in range(1, 6)]  # 10.5, 11.0, 11.5, 13.5, 15.5
+    cost.correct_rows(4, 0.8)
+    after = [cost.plain_seconds(k) for k in range(1, 6)]
+    assert after[3] == pytest.approx(before[3] * 0.8)  # 10.8
+    assert after[1] == pytest.approx(after[3]) and after[2] == pytest.approx(after[3])
+    assert after[0] == before[0] and after[4] == before[4]
+    cost.correct_rows(4, 0.5)  # under one row: raised to a plain step's cost, no cheaper
+    assert cost.plain_seconds(2) == pytest.approx(before[0])
+    assert cost.plain_seconds(4) == pytest.approx(before[0])
+
+
 def test_cost_check_corrects_the_rows_the_profile_got_wrong():
     """Rounds verifying 2 rows that take 1.38x what the profile says (within the band the
     sustained-stretch check lets pass), while plain steps timed in the same stretch take 1.1x,
