@@ -37,6 +37,9 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
 PROFILE_VERSION = 14
+# How many standard errors a gap between k rows' and plain steps' mean log ratio must exceed
+# before the profile's k rows are corrected (`CostCheck.observe_rows`)
+NOISE_ERRORS = 3.0
 
 
 class LayerCost:
@@ -554,13 +557,16 @@ class CostCheck:
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
     predicted, each ratio taken within [1/2, 2] (a round an interruption stretched counts no
-    more than that). Once rounds of k > 1 rows and plain steps each have `row_evidence`
-    (decayed) rounds and k rows' mean ratio is beyond `row_tolerance` of the plain steps', the
-    timings of k rows are scaled by the quotient (`MeasuredCost.correct_rows`) and k's mean
-    starts afresh. Relative to plain steps timed in the same stretch, the machine's drift
-    cancels out: what is left is what the profile, timed in a loop, got wrong about several
-    rows (a cheap 2-3 rows lets context drafts through that cannot pay; on an AMD EPYC the
-    profile was right within 3-8% at every row count, and this stays quiet).
+    more than that), with its standard error. Once rounds of k > 1 rows and plain steps each
+    have `row_evidence` (decayed) rounds and k rows' mean is beyond `row_tolerance` of the plain
+    steps' and beyond `NOISE_ERRORS` standard errors of their difference, the timings of k rows
+    are scaled by the quotient (`MeasuredCost.correct_rows`) and k's mean starts afresh.
+    Relative to plain steps timed in the same stretch, the machine's drift cancels out: what is
+    left is what the profile, timed in a loop, got wrong about several rows (a cheap 2-3 rows
+    lets context drafts through that cannot pay; on an AMD EPYC the profile was right within
+    3-8% at every row count, and this stays quiet). On a busy host single rounds scatter by
+    ~15% (the standard deviation of their log ratios, Intel Xeon), and with the tolerance alone
+    4 and 8 rows were corrected by x0.77-0.86 and then x1.15-1.25 in one process.
     """
 
     def __init__(
@@ -570,7 +576,7 @@ class CostCheck:
         low: float = 0.7,
         high: float = 1.4,
         extreme: float = 3.0,
-        row_decay: float = 0.9,
+        row_decay: float = 0.97,
         row_evidence: float = 6.0,
         row_tolerance: float = 1.15,
     ) -> None:
@@ -583,7 +589,9 @@ class CostCheck:
         self.row_corrections: list[tuple[int, float]] = []  # (rows, factor) applied, in order
         self.plain_confirmed = False  # a full window of plain steps agreed, or corrected them
         self.unstored = 1.0  # plain steps' corrections since the last stored, not yet confirmed
-        self.row_logs: dict[int, list[float]] = {}  # rows -> decayed [sum of log ratios, rounds]
+        # rows -> decayed sums of the log ratios, of their squares, of the rounds' weights and
+        # of the weights' squares
+        self.row_logs: dict[int, list[float]] = {}
 
     said: ClassVar[bool] = False  # the first correction in this process was reported
 
@@ -611,16 +619,25 @@ class CostCheck:
         """Record a round without layer drafts that verified `rows` positions in `actual`
         seconds, `model_s` predicted. Returns the factor the timings of `rows` rows were scaled
         by, or None."""
-        ratio = min(max(actual / model_s, 0.5), 2.0)
-        logs = self.row_logs.setdefault(rows, [0.0, 0.0])
-        logs[0] = self.row_decay * logs[0] + math.log(ratio)
-        logs[1] = self.row_decay * logs[1] + 1.0
+        log = math.log(min(max(actual / model_s, 0.5), 2.0))
+        decay = self.row_decay
+        logs = self.row_logs.setdefault(rows, [0.0, 0.0, 0.0, 0.0])
+        logs[:] = (
+            decay * logs[0] + log,
+            decay * logs[1] + log * log,
+            decay * logs[2] + 1.0,
+            decay * decay * logs[3] + 1.0,
+        )
         plain = self.row_logs.get(1)
-        if rows == 1 or plain is None or min(plain[1], logs[1]) < self.row_evidence:
+        if rows == 1 or plain is None or min(plain[2], logs[2]) < self.row_evidence:
             return None
-        factor = math.exp(logs[0] / logs[1] - plain[0] / plain[1])
-        if 1 / self.row_tolerance <= factor <= self.row_tolerance:
+        (mean, spread), (plain_mean, plain_spread) = _mean_and_error(logs), _mean_and_error(plain)
+        gap = mean - plain_mean
+        if abs(gap) <= max(
+            math.log(self.row_tolerance), NOISE_ERRORS * math.hypot(spread, plain_spread)
+        ):
             return None
+        factor = math.exp(gap)
         self.cost.correct_rows(rows, factor)
         del self.row_logs[rows]
         self.row_corrections.append((rows, factor))
@@ -677,3 +694,12 @@ class CostCheck:
         if self.unstored != 1.0 and self.cost.profile.path:
             store_correction(self.cost.profile.path, math.sqrt(self.unstored))
         self.unstored = 1.0
+
+
+def _mean_and_error(sums: list[float]) -> tuple[float, float]:
+    """The weighted mean of decayed sums (of values, of their squares, of the weights, of the
+    weights' squares) and its standard error."""
+    total, squares, weight, weight_squares = sums
+    mean = total / weight
+    variance = max(squares / weight - mean * mean, 0.0)
+    return mean, math.sqrt(variance * weight_squares) / weight
