@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from delspec import load_model
+from delspec.bench.environment import read_bandwidth
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.build import cpu_name, library
 
@@ -37,7 +38,6 @@ SIMD_NAMES = {2: "VNNI", 1: "AVX2", 0: "portable C"}
 GOAL_BANDWIDTH, GOAL_SPEEDUP, GOAL_M8 = 0.6, 1.5, 2.0
 # Relative error (vs a float product) beyond which a kernel is miscalled, not just lossy.
 TOLERANCE = {"ours": 0.05, "torch": 0.25}
-BANDWIDTH_BYTES = 1 << 30
 ROLES = ("head", "largest layer", "layer")
 
 Product = Callable[[Tensor, Tensor], Tensor]  # (float32 x, bfloat16 x) -> x @ w.T
@@ -143,18 +143,6 @@ def per_product_us(fns: list[Product], x: Tensor, xb: Tensor, repeats: int) -> f
             fn(x, xb)
         sweeps.append((time.perf_counter() - start) / len(fns))
     return statistics.median(sweeps) * 1e6
-
-
-def read_bandwidth(repeats: int = 5) -> float:
-    """Streaming read bandwidth (GB/s): the best sum of a 1 GiB float32 tensor of ones."""
-    data = torch.ones(BANDWIDTH_BYTES // 4)
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.nbytes / best / 1e9
 
 
 def bench_group(group: Group, ms: tuple[int, ...], repeats: int, context: dict) -> list[dict]:

@@ -125,6 +125,9 @@ def test_results_json(results):
     if fields.get("model name") and fields.get("cpu family"):
         numbers = f"family {fields['cpu family']}, model {fields['model']}"
         assert env["cpu"] == f"{fields['model name']} ({numbers})"
+    # the memory's read bandwidth when the run started and when it ended (a busy host's is lower)
+    start, end = env["read_gb_per_s"]
+    assert 0.5 < start < 5000 and 0.5 < end < 5000
     assert list(results["methods"]) == LABELS
     assert results["methods"]["hf"]["peer"] and not results["methods"]["del"]["peer"]
     records = results["records"]
@@ -203,8 +206,10 @@ def test_summary_json(run, results):
             assert cell["lossless"] is True
 
 
-def test_table_is_shaped_like_table_1(run):
+def test_table_is_shaped_like_table_1(run, results):
     table = (run[1] / "table.md").read_text()
+    start, end = results["environment"]["read_gb_per_s"]
+    assert f" · memory read {start:g} GB/s at the start, {end:g} at the end\n" in table
     lines = table.splitlines()
     header = next(line for line in lines if line.startswith("| Method |"))
     assert header == "| Method | " + " | ".join(TASKS) + " | Speed (tok/s) | Overall |"

@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from importlib import metadata
 from typing import Any
 
@@ -16,6 +17,7 @@ from delspec.kernels.build import cpu_name
 from delspec.loading import LoadedModel
 
 MODEL_FIELDS = ("name", "source", "layers", "parameters", "weights", "dtype", "device")
+BANDWIDTH_BYTES = 1 << 30  # read by `read_bandwidth`: more than any last-level cache holds
 
 
 def model_info(lm: LoadedModel) -> dict[str, Any]:
@@ -48,3 +50,18 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Streaming read bandwidth of this machine's memory now (GB/s): the fastest of `repeats`
+    sums of a 1 GiB float32 tensor. Other work on the host (another VM's included) lowers it,
+    and a step reading the weights then slows more than one multiplying several rows, so
+    speculation gains more on a busy host than on a quiet one."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9

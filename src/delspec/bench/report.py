@@ -80,7 +80,7 @@ def _heading(result: BenchResult) -> list[str]:
         "",
         f"{env['date']} · torch {env['torch']} · transformers {env['transformers']} · "
         f"{env['threads']} thread(s) · {env['cpu']} · {_weights(result.model)} on "
-        f"{result.model['device']} · {result.model['layers']} layers",
+        f"{result.model['device']} · {result.model['layers']} layers{_bandwidth(env)}",
         "",
         f"{settings['prompts']} prompts ({_origin(settings)}), greedy, at most "
         f"{settings['max_new_tokens']} new tokens; methods interleaved per prompt.",
@@ -89,6 +89,15 @@ def _heading(result: BenchResult) -> list[str]:
     if not result.ok:
         lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
     return lines
+
+
+def _bandwidth(env: dict) -> str:
+    """The memory's read bandwidth at the start and end of the run, where measured (older
+    results lack it): a busy host reads less, and speculation gains more there."""
+    read = env.get("read_gb_per_s") or []
+    if len(read) < 2:
+        return ""
+    return f" · memory read {read[0]:g} GB/s at the start, {read[1]:g} at the end"
 
 
 def _table_one(result: BenchResult) -> list[str]:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from delspec.bench import memory
 from delspec.bench.backends import BACKENDS, Backend, BackendUnavailable, Generate, Output, timed
-from delspec.bench.environment import model_info, run_environment
+from delspec.bench.environment import model_info, read_bandwidth, run_environment
 from delspec.bench.methods import REFERENCE, Method, references, weights_of
 from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
 from delspec.bench.prompt_sets import PromptSet
@@ -86,6 +86,8 @@ def run_bench(
     grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not run.calibration.get(task) for task in run.tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
+    on_cpu = lm.model.device.type == "cpu"
+    environment["read_gb_per_s"] = [round(read_bandwidth(), 1)] if on_cpu else []
     environment["rss_start_mib"] = memory.mib(memory.rss())
     candidates = run.set_up(methods, grids)
     methods = [m for m in methods if m.label not in run.skipped]
@@ -96,6 +98,8 @@ def run_bench(
     generators, sweeps = run.warm_up_and_choose(methods, candidates, grids)
     records, traced = run.measure(methods, generators, reference_of)
     run.bar.close()
+    if on_cpu:  # how busy the host was, at the end as at the start
+        environment["read_gb_per_s"].append(round(read_bandwidth(), 1))
     return BenchResult(
         model=model_info(lm),
         settings={
