@@ -125,9 +125,10 @@ def test_results_json(results):
     if fields.get("model name") and fields.get("cpu family"):
         numbers = f"family {fields['cpu family']}, model {fields['model']}"
         assert env["cpu"] == f"{fields['model name']} ({numbers})"
-    # the memory's read bandwidth when the run started and when it ended (a busy host's is lower)
-    start, end = env["read_gb_per_s"]
-    assert 0.5 < start < 5000 and 0.5 < end < 5000
+    # how fast the model's weights could be read when the run started and when it ended (a busy
+    # host's reads are slower)
+    start, end = env["read"]["gb_per_s"]
+    assert 0.5 < start < 5000 and 0.5 < end < 5000 and env["read"]["bytes"] > 0
     assert list(results["methods"]) == LABELS
     assert results["methods"]["hf"]["peer"] and not results["methods"]["del"]["peer"]
     records = results["records"]
@@ -208,8 +209,11 @@ def test_summary_json(run, results):
 
 def test_table_is_shaped_like_table_1(run, results):
     table = (run[1] / "table.md").read_text()
-    start, end = results["environment"]["read_gb_per_s"]
-    assert f" · memory read {start:g} GB/s at the start, {end:g} at the end\n" in table
+    read = results["environment"]["read"]
+    start, end = read["gb_per_s"]
+    size = read["bytes"] / 2**20
+    assert f" · reading {size:.0f} MiB (the weights' size) at {start:g} GB/s" in table
+    assert f"GB/s at the start, {end:g} at the end\n" in table
     lines = table.splitlines()
     header = next(line for line in lines if line.startswith("| Method |"))
     assert header == "| Method | " + " | ".join(TASKS) + " | Speed (tok/s) | Overall |"

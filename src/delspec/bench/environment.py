@@ -52,12 +52,11 @@ def _version(package: str) -> str | None:
         return None
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Streaming read bandwidth of this machine's memory now (GB/s): the fastest of `repeats`
-    sums of a 1 GiB float32 tensor. Other work on the host (another VM's included) lowers it,
-    and a step reading the weights then slows more than one multiplying several rows, so
-    speculation gains more on a busy host than on a quiet one."""
-    data = torch.ones(BANDWIDTH_BYTES // 4)
+def read_bandwidth(size: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
+    """Streaming read bandwidth now (GB/s): the fastest of `repeats` sums of a float32 tensor of
+    `size` bytes. Other work on the host (another VM's included) lowers it, the more so for a
+    size that a quiet host's last-level cache would mostly hold."""
+    data = torch.ones(max(size // 4, 1))
     data.sum()
     best = float("inf")
     for _ in range(repeats):

@@ -92,12 +92,18 @@ def _heading(result: BenchResult) -> list[str]:
 
 
 def _bandwidth(env: dict) -> str:
-    """The memory's read bandwidth at the start and end of the run, where measured (older
-    results lack it): a busy host reads less, and speculation gains more there."""
-    read = env.get("read_gb_per_s") or []
-    if len(read) < 2:
+    """How fast the model's weights could be read at the start and end of the run, where
+    measured (older results lack it): a busy host reads them slower, and speculation gains
+    more there."""
+    read = env.get("read") or {}
+    start_end = read.get("gb_per_s") or []
+    if len(start_end) < 2:
         return ""
-    return f" · memory read {read[0]:g} GB/s at the start, {read[1]:g} at the end"
+    size = read["bytes"] / 2**20
+    return (
+        f" · reading {size:.0f} MiB (the weights' size) at {start_end[0]:g} GB/s at the start, "
+        f"{start_end[1]:g} at the end"
+    )
 
 
 def _table_one(result: BenchResult) -> list[str]:

@@ -86,8 +86,13 @@ def run_bench(
     grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not run.calibration.get(task) for task in run.tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
-    on_cpu = lm.model.device.type == "cpu"
-    environment["read_gb_per_s"] = [round(read_bandwidth(), 1)] if on_cpu else []
+    # how fast the model's weights can be read now, as a plain step reads them: a busy host
+    # (another VM's work in the caches and memory) reads them slower, and speculation then
+    # gains more over ar (a step reading weights slows more than one multiplying several rows)
+    on_cpu, weights = lm.model.device.type == "cpu", lm.model.weight_bytes
+    environment["read"] = {"bytes": weights, "gb_per_s": []}
+    if on_cpu:
+        environment["read"]["gb_per_s"].append(round(read_bandwidth(weights), 1))
     environment["rss_start_mib"] = memory.mib(memory.rss())
     candidates = run.set_up(methods, grids)
     methods = [m for m in methods if m.label not in run.skipped]
@@ -98,8 +103,8 @@ def run_bench(
     generators, sweeps = run.warm_up_and_choose(methods, candidates, grids)
     records, traced = run.measure(methods, generators, reference_of)
     run.bar.close()
-    if on_cpu:  # how busy the host was, at the end as at the start
-        environment["read_gb_per_s"].append(round(read_bandwidth(), 1))
+    if on_cpu:  # and at the end
+        environment["read"]["gb_per_s"].append(round(read_bandwidth(weights), 1))
     return BenchResult(
         model=model_info(lm),
         settings={
