@@ -379,3 +379,14 @@ def test_cost_check_leaves_rows_whose_gap_is_within_the_noise():
             cost.check.observe_rows(1, plain, plain * noise)
             cost.check.observe_rows(3, three, three * 1.2 / noise)
         assert bool(cost.check.row_corrections) == corrected
+
+
+def test_a_new_vocabulary_keeps_an_unsettled_profile_unsettled(tmp_path):
+    """Timing another vocabulary's draft heads leaves a profile whose takes did not agree
+    marked so (measured again within the hour), where it was marked settled for a week."""
+    model = tiny_model(seed=0)
+    cached_profile(ExitHead(model), 2, 4, tmp_path)
+    (path,) = tmp_path.glob("profile-*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "settled": False}))
+    pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
+    assert not pruned.settled and json.loads(path.read_text())["settled"] is False

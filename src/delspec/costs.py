@@ -466,7 +466,7 @@ def cached_profile(
     else:
         profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer)
         draft_heads[vocab] = profile.draft_head
-        profile.settled = settled
+        profile.settled = profile.settled and settled  # an unsettled profile stays so
         _write_profile(path, profile, draft_heads)
     return profile
 
