@@ -271,7 +271,8 @@ def test_a_correction_is_stored_for_the_next_process(tmp_path):
     assert again.layer == pytest.approx([t * 1.5 for t in before.layer])
     assert again.head == pytest.approx([t * 1.5 for t in before.head])
     assert again.draft_head == pytest.approx([t * 1.5 for t in before.draft_head])
-    assert (again.measured_at, again.settled) == (measured.measured_at, measured.settled)
+    # as old as it was, and as settled as the last timing (the pruned heads') left it
+    assert (again.measured_at, again.settled) == (measured.measured_at, pruned.settled)
     both = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     assert both.draft_head == pytest.approx([t * 1.5 for t in pruned.draft_head])
     for _ in range(cost.check.window):  # drafting rounds 2x the prediction: corrected, not stored
