@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -29,14 +30,21 @@ from torch import Tensor
 from delspec.cache import write_atomically
 from delspec.engine import ExitHead, Round
 from delspec.kernels.build import build_key, cpu_name
-from delspec.timing import settled_seconds
+from delspec.model import Transformer
+from delspec.timing import settled_seconds, synchronize
 
 Array = np.ndarray
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 14
+PROFILE_VERSION = 15
+# Plain steps after a verification in which its cost may still show (`measure_in_decoding`), and
+# the share of what a round leaves that shows in the next one (`CostCheck`): on an Intel Xeon, a
+# verification of 19 rows slowed the four steps after it by about a step in all, most of it in
+# the first.
+LINGER_STEPS = 4
+LINGER_SHARE = 0.5
 # How many standard errors a gap between k rows' and plain steps' mean log ratio must exceed
 # before the profile's k rows are corrected (`CostCheck.observe_rows`)
 NOISE_ERRORS = 3.0
@@ -64,7 +72,9 @@ class CostProfile:
     as drafts run it (on int8 weights when `int8`); `layer_slope[k - 1]` and
     `draft_layer_slope`: what each position more of context adds to those (attention reads
     every earlier position); `draft_head[v]`: one row through the draft head's vocabulary level
-    v (`ExitHead.vocabs`), for the head the profile was loaded for. `settled`: whether
+    v (`ExitHead.vocabs`), for the head the profile was loaded for; `lingering[k - 1]`: what a
+    round verifying k rows through every layer adds to the plain steps after it (none for one
+    row; empty: nothing measured, as in a profile made by hand). `settled`: whether
     the timings can be trusted (two takes agreed); an unsettled profile is measured again after
     an hour rather than a week. `path`: the file it was read from or written to (not stored).
     """
@@ -79,17 +89,17 @@ class CostProfile:
     context: int = 0
     layer_slope: list[float] = field(default_factory=list)
     draft_layer_slope: float = 0.0
+    lingering: list[float] = field(default_factory=list)
     version: int = PROFILE_VERSION
     settled: bool = field(default=True, compare=False)
     path: str = field(default="", compare=False)
 
-    def scale(self, factor: float, multi_row_only: bool = False) -> None:
-        """Multiply the timings by `factor` in place: all of them, or (`multi_row_only`) only
-        those that plain one-token steps do not use (several rows, drafts)."""
-        first = 1 if multi_row_only else 0
-        for name in ("layer", "head", "layer_slope"):
-            values = getattr(self, name)
-            values[first:] = [t * factor for t in values[first:]]
+    def scale(self, factor: float, drafts_only: bool = False) -> None:
+        """Multiply the timings by `factor` in place: all of them, or (`drafts_only`) only those
+        of drafting from a layer (its passes and draft heads)."""
+        if not drafts_only:
+            for name in ("layer", "head", "layer_slope", "lingering"):
+                setattr(self, name, [t * factor for t in getattr(self, name)])
         self.draft_layer *= factor
         self.draft_layer_slope *= factor
         self.draft_head = [t * factor for t in self.draft_head]
@@ -123,6 +133,11 @@ class MeasuredCost:
     A round that takes a context tokens after its d > 0 layer drafts runs them through [0, l)
     with the last draft token, and verifies c + d + a + 1 positions.
 
+    A round also costs what its verification adds to the plain steps after it (the profile's
+    `lingering`, for the rows it runs through every layer; after layer drafts from exit l, the
+    share of the layers [l, L) it runs over them): `lingering_of` tells that part apart, which
+    `CostCheck` looks for in the rounds after.
+
     Layer timings are those at the sequence position set by `at` (the profile's own context
     until then): a layer reads every earlier position, so rounds cost more as a reply grows.
     """
@@ -141,6 +156,7 @@ class MeasuredCost:
         self._grids: dict[tuple, tuple[Array, Array, Array]] = {}
         self._cells: dict[tuple, tuple[float, float]] = {}  # the same for `round_seconds`
         self._after: dict[tuple, tuple[list[float], list[float]]] = {}  # for `after_seconds`
+        self._lingering: dict[tuple, float] = {}  # for `lingering_of`
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -153,14 +169,18 @@ class MeasuredCost:
         self._grids.clear()
         self._cells.clear()
         self._after.clear()
+        self._lingering.clear()
 
     def _plain_parts(self) -> list[tuple[float, float]]:
         """Per row count k (from 1): the seconds of k rows through every layer and the full head
-        at the profile's context, and what each position further adds (`plain_seconds`)."""
+        at the profile's context with what they leave to the steps after, and what each
+        position further adds (`plain_seconds`)."""
         p, layers = self.profile, self.num_layers
         slopes = p.layer_slope or [0.0] * len(p.layer)
+        lingering = p.lingering or [0.0] * len(p.layer)
         return [
-            (layers * t + h, layers * s) for t, h, s in zip(p.layer, p.head, slopes, strict=True)
+            (layers * t + h + g, layers * s)
+            for t, h, s, g in zip(p.layer, p.head, slopes, lingering, strict=True)
         ]
 
     def grid(
@@ -194,10 +214,12 @@ class MeasuredCost:
         (`after`: context tokens after the layer drafts, one count or one per length)."""
         p = self.profile
         shape = (tuple(exits), tuple(lengths), tuple(levels), context, after)
-        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *shape)
-        slopes = p.layer_slope or [0.0] * len(p.layer)
         nothing = [0.0] * len(p.head), [0.0] * len(p.draft_head)
-        return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *shape)
+        lingering = p.lingering or nothing[0]
+        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, lingering, *shape)
+        slopes = p.layer_slope or nothing[0]
+        per_position = self._seconds(slopes, p.draft_layer_slope, *nothing, nothing[0], *shape)
+        return base, per_position
 
     def round_seconds(
         self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0
@@ -231,6 +253,24 @@ class MeasuredCost:
             for k in range(most + 1)
         ]
 
+    def lingering_of(
+        self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0
+    ) -> float:
+        """The part of `round_seconds` that the round adds to the plain steps after it."""
+        key = (exit_layer, drafted, level, context, after)
+        seconds = self._lingering.get(key)
+        if seconds is None:
+            p, shape = self.profile, ((exit_layer,), (drafted,), (level,), context, after)
+            nothing = [0.0] * len(p.layer)
+            if p.lingering:
+                zero_heads = [0.0] * len(p.draft_head)
+                lingering = self._seconds(nothing, 0.0, nothing, zero_heads, p.lingering, *shape)
+                seconds = float(lingering[0, 0])
+            else:
+                seconds = 0.0
+            self._lingering[key] = seconds
+        return seconds
+
     def overhead_of(self, layer_drafts: bool) -> float:
         """The policy's seconds per round with or without exit-layer drafts."""
         return self.layer_overhead if layer_drafts else self.overhead
@@ -245,13 +285,15 @@ class MeasuredCost:
         drafted: float,
         head_s: list[float],
         draft_head_s: list[float],
+        lingering_s: list[float],
         exit_layers: tuple[int, ...],
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
         after: int | Array,
     ) -> Array:
-        """`grid` without the overhead, from the given timings (which it is linear in)."""
+        """`grid` without the overhead, from the given timings (which it is linear in;
+        `lingering_s`: what rows through every layer add to the steps after)."""
         layer, head = np.asarray(layer_s), np.asarray(head_s)
         lengths = np.asarray(draft_lengths)
         after_drafts = np.where(lengths > 0, after, 0)  # context tokens after layer drafts
@@ -266,12 +308,14 @@ class MeasuredCost:
         else:
             draft = d * (e * drafted + head_d)
         every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
+        lingering = np.asarray(lingering_s)[k][None, :]
         if self.profile.int8:  # every layer again over every position
-            verify = every_layer
+            verify = every_layer + lingering
         else:
             last = layer[np.minimum(after_drafts, len(layer_s) - 1)][None, :]  # [0, e) again
+            deep = (self.num_layers - e) / self.num_layers  # the share of layers over every row
             verify = e * last + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
-            verify = np.where(d > 0, verify, every_layer)  # no layer draft: every layer
+            verify = np.where(d > 0, verify + deep * lingering, every_layer + lingering)
         return draft + verify
 
     def correct_rows(self, rows: int, factor: float) -> None:
@@ -294,9 +338,8 @@ class MeasuredCost:
 
     def _rows_monotone(self) -> None:
         """Keep verifying more rows no cheaper than fewer (through every layer and the head):
-        a correction of some row counts alone (`correct_rows`), or of all but one row
-        (`CostProfile.scale`'s `multi_row_only`, by a factor under 1), could leave 2 rows
-        cheaper than a plain step, and every context draft would look free."""
+        a correction of some row counts alone (`correct_rows`) could leave 2 rows cheaper than
+        a plain step, and every context draft would look free."""
         for k in range(2, len(self.profile.layer) + 1):
             if self._total(k) < self._total(k - 1):
                 self.profile.scale_rows(k, self._total(k - 1) / self._total(k))
@@ -345,7 +388,9 @@ def measure_profile(
     positions and (for the layers' slopes: at 1, half and all of max_tokens rows, in between
     by interpolation) after `far`; drafts through `exit_head` as exit layer
     `exit_layer`. Each primitive's fastest of `repeats` rounds in which they all take turns,
-    taken again until two takes agree (`settled_seconds`)."""
+    taken again until two takes agree (`settled_seconds`); k rows through every layer and the
+    head (a verification), and what they add to the steps after them, as decoding meets them,
+    in proportion to a plain step (`measure_in_decoding`)."""
     model = exit_head.model
     cfg, int8, layers = model.config, exit_head.int8, model.num_layers
     far = max(min(cfg.max_position - max_tokens - 1, far), 0)
@@ -372,13 +417,13 @@ def measure_profile(
         for k in every:
             h = states[:k]
             runs["head", k] = lambda h=h: model.head(h)
-            # k rows as a plain step or a verification runs them: the head's weights read just
-            # after the layers' (each timed alone found the caches as its previous run left
-            # them: one row through the layers came out 30% slower than in a decode loop on
-            # SmolLM2, and a head alone up to 2x faster, so that verifying 2 rows read cheaper
-            # than a plain step)
-            runs["rows", k] = lambda h=h: model.head(model.run_layers(h, context, 0, layers))
-            rows_of["head", k] = rows_of["rows", k] = k
+            rows_of["head", k] = k
+        # a plain step as decoding runs it: the head's weights read just after the layers'
+        # (each timed alone found the caches as its previous run left them: one row through
+        # the layers came out 30% slower than in a decode loop on SmolLM2, and a head alone up
+        # to 2x faster)
+        runs["step"] = lambda: model.head(model.run_layers(one, context, 0, layers))
+        rows_of["step"] = 1
         # taken from the most rows to the fewest: the few steps after a long verification run
         # slower (on an Intel Xeon, the step after 19 rows up to 1.6x, recovering over about
         # four steps), and in the order they were built, the one-row runs came right after the
@@ -386,12 +431,15 @@ def measure_profile(
         # every pass with it
         ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
         seconds, settled = settled_seconds(ordered, repeats, model.device)
+        own, lingering = measure_in_decoding(model, states, context)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
     span = max(far - context, 1)
     alone = [seconds["layer", context, k] for k in every]  # the layers without the head
-    # k rows with the head, no less than the layers alone nor than fewer rows: a round that
-    # verifies more never reads as cheaper
-    rows = np.maximum.accumulate([max(seconds["rows", k], alone[k - 1]) for k in every])
+    # k rows with the head as decoding meets them (in proportion to a plain step), no less
+    # than the layers alone nor than fewer rows: a round that verifies more never reads as
+    # cheaper
+    step = seconds["step"]
+    rows = np.maximum.accumulate([max(step * own[k - 1], alone[k - 1]) for k in every])
     # the head's share of k rows: what they took beyond the layers alone (the head as a step
     # meets it, right after the layers' weights; timed alone, after another run, one row's
     # head read 1.5x two rows' on an Intel Xeon), at least half of the head timed alone
@@ -412,8 +460,61 @@ def measure_profile(
         context=context,
         layer_slope=[max(d - n, 0.0) / span for n, d in zip(near, deep, strict=True)],
         draft_layer_slope=max(seconds["drafted", far] / layers - drafted, 0.0) / span,
+        lingering=[step * g for g in lingering],
         settled=settled and heads_settled,
     )
+
+
+def measure_in_decoding(
+    model: Transformer, states: Tensor, context: int, cycles: int = 8
+) -> tuple[list[float], list[float]]:
+    """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
+    decoding meets them, in plain steps: their own time, and what they add to the
+    `LINGER_STEPS` plain steps after them. A block is a plain step, the round, then those
+    steps; each round's block follows a block whose round is a plain step, and what the round
+    adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
+    them by about a step in all, 9 rows by half a step; timed in a loop, rounds of many rows
+    looked cheaper beside one row than they are in decoding, 2 rows dearer). Medians over
+    `cycles` cycles of shuffled turns, after an untimed one, at a sample of row counts (every
+    count up to 6, then about every 30% more; in between by interpolation). `states`: the
+    rows' inputs, run at positions `context`.. of the model's cache."""
+    layers, most = model.num_layers, len(states)
+    counts = sorted({*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int)})
+    counts = [k for k in counts if k <= most]
+
+    def run(rows: int) -> float:
+        start = time.perf_counter()
+        model.head(model.run_layers(states[:rows], context, 0, layers))
+        synchronize(model.device)
+        return time.perf_counter() - start
+
+    def block(rows: int) -> tuple[float, float]:
+        """A plain step, `rows` rows, `LINGER_STEPS` plain steps: the round's and the steps'
+        seconds."""
+        run(1)
+        round_s = run(rows)
+        return round_s, sum(run(1) for _ in range(LINGER_STEPS))
+
+    own: dict[int, list[float]] = {k: [] for k in counts}
+    added: dict[int, list[float]] = {k: [] for k in counts}
+    order = list(counts)
+    shuffle = random.Random(0).shuffle
+    for cycle in range(cycles + 1):
+        shuffle(order)
+        for k in order:
+            _, reference = block(1)
+            seconds, steps = block(k)
+            if cycle:
+                own[k].append(seconds)
+                added[k].append(steps - reference)
+    plain = statistics.median(own[1])
+    own_k = [statistics.median(own[k]) / plain for k in counts]
+    added_k = [max(statistics.median(added[k]), 0.0) / plain for k in counts]
+    every = np.arange(1, most + 1)
+    rows = np.maximum.accumulate(np.interp(every, counts, own_k))
+    lingering = np.maximum.accumulate(np.interp(every, counts, added_k))
+    lingering[0] = 0.0  # a plain step after a plain step is the reference
+    return rows.tolist(), lingering.tolist()
 
 
 def measure_draft_heads(
@@ -532,17 +633,26 @@ class CostCheck:
     took, and corrects the profile when they disagree for a sustained stretch, or when rounds
     verifying several rows disagree with it more than plain steps do.
 
+    A round is predicted to take its own time and `LINGER_SHARE` of what the rounds before it
+    left to the rounds after them (`MeasuredCost.lingering_of`, what a verification of many
+    rows adds to the steps after it): the steps after a long verification are not slow
+    steps, nor is the long one cheap for not showing all it costs in its own time.
+
     Rounds are of two kinds, plain steps and drafting rounds, each with its own window of the
     last `window` ratios actual / predicted (the policy's own overhead, which the measured
     rounds do not include, taken off the prediction). When three quarters of a full window lie
     beyond [`low`, `high`] on one side, the profile is scaled in place by their median: for
     plain steps, every timing (the machine is slower or faster than when the profile was
-    timed); for drafting rounds, the timings only drafting rounds use, or all of them while no
-    window of plain steps has confirmed (or corrected) theirs. The window then starts
-    afresh. A factor beyond `extreme` (or its inverse) also marks the profile's file stale, so
-    that the next run measures it again; any other correction from plain steps is stored in the
-    file (`store_correction`), so that the next process starts from it (an AMD EPYC's profile,
-    timed in a loop, read a third too fast for the rounds of every process, each correcting it
+    timed); for drafting rounds, the timings of drafting from a layer, or all of them while no
+    window of plain steps has confirmed (or corrected) theirs. Once one has, rounds of context
+    drafts alone are left to the check of their rows below: with them in the window, and the
+    rows' timings scaled with the drafts', rounds of drafts from SmolLM2's final layer that ran
+    0.6-0.7x their prediction priced verifying 2-5 rows at a plain step's cost (Intel Xeon),
+    and every context draft looked free. The window then starts afresh. A factor beyond
+    `extreme` (or its inverse) also marks the profile's file stale, so that the next run
+    measures it again; any other correction from plain steps is stored in the file
+    (`store_correction`), so that the next process starts from it (an AMD EPYC's profile, timed
+    in a loop, read a third too fast for the rounds of every process, each correcting it
     anew): once the next full window of plain steps agrees with the corrected profile, the
     square root of the corrections made since the last store (a stretch that one window saw
     and the next did not leaves nothing; the next process starts halfway, in log terms, and
@@ -562,8 +672,8 @@ class CostCheck:
     steps' and beyond `NOISE_ERRORS` standard errors of their difference, the timings of k rows
     are scaled by the quotient (`MeasuredCost.correct_rows`) and k's mean starts afresh.
     Relative to plain steps timed in the same stretch, the machine's drift cancels out: what is
-    left is what the profile, timed in a loop, got wrong about several rows (a cheap 2-3 rows
-    lets context drafts through that cannot pay; on an AMD EPYC the profile was right within
+    left is what the profile got wrong about several rows (a cheap 2-3 rows lets context
+    drafts through that cannot pay; on an AMD EPYC a profile timed in a loop was right within
     3-8% at every row count, and this stays quiet). On a busy host single rounds scatter by
     ~15% (the standard deviation of their log ratios, Intel Xeon), and with the tolerance alone
     4 and 8 rows were corrected by x0.77-0.86 and then x1.15-1.25 in one process.
@@ -592,27 +702,36 @@ class CostCheck:
         # rows -> decayed sums of the log ratios, of their squares, of the rounds' weights and
         # of the weights' squares
         self.row_logs: dict[int, list[float]] = {}
+        self.carried = 0.0  # seconds the rounds so far left to the next ones (`lingering_of`)
 
     said: ClassVar[bool] = False  # the first correction in this process was reported
 
     def observe_round(self, record: Round) -> float | None:
         """`observe` a round the engine ran, predicted by the cost's grid for its plan: context
-        tokens, exit layer, tokens drafted from it, vocabulary level (a plain step: none). A
-        profile that was not measured (no `path`: given by hand) is left as it is."""
+        tokens, exit layer, tokens drafted from it, vocabulary level (a plain step: none): its
+        own time, and `LINGER_SHARE` of what the rounds before it left (each round leaves
+        `MeasuredCost.lingering_of`, shown that way over the rounds after it). A profile that
+        was not measured (no `path`: given by hand) is left as it is."""
         if not self.cost.profile.path:
             return None
         d = record.layer_drafts
-        predicted = self.cost.round_seconds(
+        shape = (
             record.exit_layer if d else 0,
             d,
             record.level if d else 0,
             record.from_context,
             record.context_after,
         )
+        lingering = self.cost.lingering_of(*shape)
+        # the round's own time, and the share of what the rounds before it left that shows here
+        predicted = self.cost.round_seconds(*shape) - lingering + LINGER_SHARE * self.carried
+        self.carried = (1 - LINGER_SHARE) * self.carried + lingering
         actual = record.draft_s + record.verify_s
         model_s = predicted - self.cost.overhead_of(d > 0)
         if not d and model_s > 0 and actual > 0:
             self.observe_rows(record.from_context + 1, model_s, actual)
+        if record.drafted and not d and self.plain_confirmed:
+            return None  # context drafts alone: their rows are checked above
         return self.observe(model_s, actual, bool(record.drafted))
 
     def observe_rows(self, rows: int, model_s: float, actual: float) -> float | None:
@@ -665,8 +784,8 @@ class CostCheck:
                 self._store_confirmed()
             return None
         factor = statistics.median(beyond)
-        profile, multi_row_only = self.cost.profile, drafted and self.plain_confirmed
-        profile.scale(factor, multi_row_only)
+        profile, drafts_only = self.cost.profile, drafted and self.plain_confirmed
+        profile.scale(factor, drafts_only)
         self.cost.rescaled()
         self.plain_confirmed |= not drafted
         ratios.clear()
