@@ -156,7 +156,7 @@ class MeasuredCost:
         self._grids: dict[tuple, tuple[Array, Array, Array]] = {}
         self._cells: dict[tuple, tuple[float, float]] = {}  # the same for `round_seconds`
         self._after: dict[tuple, tuple[list[float], list[float]]] = {}  # for `after_seconds`
-        self._lingering: dict[tuple, float] = {}  # for `lingering_of`
+        self._lingered: dict[tuple, float] = {}  # for `lingering_of`
 
     def at(self, position: int) -> None:
         """Predict rounds that start after `position` positions of the sequence."""
@@ -169,7 +169,7 @@ class MeasuredCost:
         self._grids.clear()
         self._cells.clear()
         self._after.clear()
-        self._lingering.clear()
+        self._lingered.clear()
 
     def _plain_parts(self) -> list[tuple[float, float]]:
         """Per row count k (from 1): the seconds of k rows through every layer and the full head
@@ -214,12 +214,11 @@ class MeasuredCost:
         (`after`: context tokens after the layer drafts, one count or one per length)."""
         p = self.profile
         shape = (tuple(exits), tuple(lengths), tuple(levels), context, after)
+        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, *shape)
+        base = base + self._lingering(exits, lengths, context, after)
+        slopes = p.layer_slope or [0.0] * len(p.layer)
         nothing = [0.0] * len(p.head), [0.0] * len(p.draft_head)
-        lingering = p.lingering or nothing[0]
-        base = self._seconds(p.layer, p.draft_layer, p.head, p.draft_head, lingering, *shape)
-        slopes = p.layer_slope or nothing[0]
-        per_position = self._seconds(slopes, p.draft_layer_slope, *nothing, nothing[0], *shape)
-        return base, per_position
+        return base, self._seconds(slopes, p.draft_layer_slope, nothing[0], nothing[1], *shape)
 
     def round_seconds(
         self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0
@@ -257,19 +256,28 @@ class MeasuredCost:
         self, exit_layer: int, drafted: int, level: int, context: int, after: int = 0
     ) -> float:
         """The part of `round_seconds` that the round adds to the plain steps after it."""
-        key = (exit_layer, drafted, level, context, after)
-        seconds = self._lingering.get(key)
+        key = (exit_layer, drafted, context, after)
+        seconds = self._lingered.get(key)
         if seconds is None:
-            p, shape = self.profile, ((exit_layer,), (drafted,), (level,), context, after)
-            nothing = [0.0] * len(p.layer)
-            if p.lingering:
-                zero_heads = [0.0] * len(p.draft_head)
-                lingering = self._seconds(nothing, 0.0, nothing, zero_heads, p.lingering, *shape)
-                seconds = float(lingering[0, 0])
-            else:
-                seconds = 0.0
-            self._lingering[key] = seconds
+            lingering = self._lingering((exit_layer,), (drafted,), context, after)
+            seconds = self._lingered[key] = float(lingering[0, 0])
         return seconds
+
+    def _lingering(
+        self, exit_layers: Ints, draft_lengths: Ints, context: int, after: int | Array
+    ) -> Array:
+        """`[exit layers, draft lengths]`: what each round leaves to the steps after it, for
+        the rows it runs through every layer (after layer drafts from exit e, the share of the
+        layers [e, L) that ran over every row; the int8 verification runs them all)."""
+        lengths = np.asarray(draft_lengths)
+        e = np.asarray(exit_layers, dtype=np.float64)[:, None]
+        lingering = np.asarray(self.profile.lingering or [0.0] * len(self.profile.layer))
+        rows = lengths + context + np.where(lengths > 0, after, 0) + 1
+        left = lingering[np.minimum(rows, len(lingering)) - 1][None, :]
+        if self.profile.int8:
+            return np.broadcast_to(left, (len(e), len(lengths))).copy()
+        deep = (self.num_layers - e) / self.num_layers
+        return np.where(lengths[None, :] > 0, deep * left, left)
 
     def overhead_of(self, layer_drafts: bool) -> float:
         """The policy's seconds per round with or without exit-layer drafts."""
@@ -285,15 +293,14 @@ class MeasuredCost:
         drafted: float,
         head_s: list[float],
         draft_head_s: list[float],
-        lingering_s: list[float],
         exit_layers: tuple[int, ...],
         draft_lengths: tuple[int, ...],
         levels: tuple[int, ...],
         context: int,
         after: int | Array,
     ) -> Array:
-        """`grid` without the overhead, from the given timings (which it is linear in;
-        `lingering_s`: what rows through every layer add to the steps after)."""
+        """`grid` without the overhead and what rounds leave to the steps after, from the
+        given timings (which it is linear in)."""
         layer, head = np.asarray(layer_s), np.asarray(head_s)
         lengths = np.asarray(draft_lengths)
         after_drafts = np.where(lengths > 0, after, 0)  # context tokens after layer drafts
@@ -308,14 +315,12 @@ class MeasuredCost:
         else:
             draft = d * (e * drafted + head_d)
         every_layer = self.num_layers * layer[k][None, :] + head[k][None, :]
-        lingering = np.asarray(lingering_s)[k][None, :]
         if self.profile.int8:  # every layer again over every position
-            verify = every_layer + lingering
+            verify = every_layer
         else:
             last = layer[np.minimum(after_drafts, len(layer_s) - 1)][None, :]  # [0, e) again
-            deep = (self.num_layers - e) / self.num_layers  # the share of layers over every row
             verify = e * last + (self.num_layers - e) * layer[k][None, :] + head[k][None, :]
-            verify = np.where(d > 0, verify + deep * lingering, every_layer + lingering)
+            verify = np.where(d > 0, verify, every_layer)  # no layer draft: every layer
         return draft + verify
 
     def correct_rows(self, rows: int, factor: float) -> None:
