@@ -8,6 +8,7 @@ from tiny_models import tiny_model
 
 from delspec import kernel_choice
 from delspec.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
+from delspec.kernels.layers import prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.modules import Linear
 
@@ -72,6 +73,27 @@ def test_block_weights_keep_their_row_exact_kernel_at_every_size():
     assert {kernel for rows in choices.values() for kernel in rows.values()} == {"blocks"}
 
 
+@pytest.mark.skipif(not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU")
+@pytest.mark.parametrize(
+    ("slower", "expected"),
+    [({16}, 32), (set(), 16), ({128}, None), ({32}, 64), ({16, 32, 64, 128}, None)],
+)
+def test_prompts_take_tiles_from_where_they_pay_at_every_longer_length(slower, expected):
+    """`measure_prompt_tiles` times every layer on each of PROMPT_ROWS rows both ways (really
+    running them: here the timer only says which was faster)."""
+    model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
+    timed = []
+
+    def timer(name, run):
+        run()
+        timed.append(name)
+        rows, tiles = int(name.split()[0]), name.endswith("True")
+        return 1.0 if tiles == (rows in slower) else 0.5
+
+    assert kernel_choice.measure_prompt_tiles(model, timer) == expected
+    assert len(timed) == 2 * len(kernel_choice.PROMPT_ROWS)
+
+
 def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
     model = tiny_model(seed=0, dtype=torch.float32)
@@ -83,10 +105,13 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
         return {key: dict(measured) for key in kernel_choice.layer_groups(m)}
 
     monkeypatch.setattr(kernel_choice, "measure_choices", measure)
+    monkeypatch.setattr(kernel_choice, "measure_prompt_tiles", lambda m: 64)
     choose_kernels(model)
-    choose_kernels(tiny_model(seed=1, dtype=torch.float32))  # same shapes: read from the cache
+    other = tiny_model(seed=1, dtype=torch.float32)
+    choose_kernels(other)  # same shapes: read from the cache
     assert len(calls) == 1
     assert list(tmp_path.glob("kernels/choice-*.json"))
     assert model.lm_head.kernels == measured
+    assert other.prompt_tiles_from == 64 and other.on_tiles(64) and not other.on_tiles(63)
     choose_kernels(tiny_model(seed=0, dtype=torch.float32, num_layers=3))  # another model
     assert len(calls) == 2

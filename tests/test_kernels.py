@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library, simd_paths
+from delspec.kernels.layers import prompt_tiles_ready
 from delspec.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
@@ -200,6 +201,63 @@ def test_tile_pairs_have_the_bits_of_single_tiles(qtype):
 
     alone = torch.cat([product(raw[i : i + 8]) for i in (0, 8, 16)], -1)
     assert torch.equal(product(raw), alone)
+
+
+def tile_product(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
+    """x . W^T on bfloat16 tiles (`dl_prompt_tiles`), 32 weight rows a call, as the compiled
+    layers call it for a prompt's rows."""
+    lib = library()
+    rows, cols = x.shape
+    xb = torch.zeros(rows + 32, cols, dtype=torch.int16)  # and 32 more rows the tiles read
+    lib.dl_bf16_rows(x.data_ptr(), cols, 0, rows, cols, xb.data_ptr())
+    y = torch.empty(rows, weight.rows)
+    first = 0
+    for part in weight.parts:
+        stride = lib.dl_tile_stride(int(part.qtype), cols)
+        for row in range(0, part.rows, 32):
+            tile = part.tiles.data_ptr() + row // 8 * stride
+            width = min(32, part.rows - row)
+            out = y[:, first + row :].data_ptr()
+            status = lib.dl_prompt_tiles(
+                int(part.qtype), tile, cols, width, xb.data_ptr(), rows, out, weight.rows
+            )
+            assert status == 0
+        first += part.rows
+    return y
+
+
+TILES = pytest.mark.skipif(
+    not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU (or in this build)"
+)
+
+
+@TILES
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES - FLOAT_TYPES), ids=lambda t: t.name)
+def test_prompt_tiles_match_dequantisation_to_bfloat16_rounding(qtype):
+    """A prompt's products on bfloat16 tiles: x and the weights each rounded to bfloat16
+    (half a unit of 2^-8 relative), summed in float32; each row's bits its own (whatever rows
+    run with it). 40 weight rows: a group of 4 tiles and one alone."""
+    raw = synthetic_blocks(qtype, 40, 512, seed=11)
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 512)
+    reference = torch.from_numpy(dequantize(raw, qtype).reshape(weight.shape)).double()
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(12))
+    got = tile_product(weight, x)
+    error = (got.double() - x.double() @ reference.T).abs()
+    bound = (2.0**-8 + 2.0**-16 + 512 * 2.0**-24) * (x.double().abs() @ reference.abs().T)
+    assert bool((error <= bound).all()), qtype.name
+    assert float(error.max()) < 0.25 * float(bound.max())  # independent roundings
+    for rows in (1, 5, 16, 17, 33):
+        assert torch.equal(tile_product(weight, x[-rows:]), got[-rows:]), rows
+
+
+@TILES
+@pytest.mark.parametrize("qtype", sorted(FLOAT_TYPES), ids=lambda t: t.name)
+def test_prompt_tiles_leave_float_weights_to_the_float_products(qtype):
+    lib = library()
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(synthetic_blocks(qtype, 8, 64)), 64)
+    xb, y = torch.zeros(33, 64, dtype=torch.int16), torch.empty(1, 8)
+    tile = weight.parts[0].tiles.data_ptr()
+    assert lib.dl_prompt_tiles(int(qtype), tile, 64, 8, xb.data_ptr(), 1, y.data_ptr(), 8) == -1
 
 
 def test_simd_paths_widest_first():

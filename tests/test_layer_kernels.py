@@ -13,7 +13,7 @@ from tiny_models import tiny_model
 
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
-from delspec.kernels.layers import LayerKernels
+from delspec.kernels.layers import LayerKernels, prompt_tiles_ready
 from delspec.kernels.scores import top_logsumexp
 from delspec.modules import apply_rope, rope_inv_freq, rope_table
 
@@ -238,6 +238,46 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
             assert torch.equal(model.cache, runs["compiled"][2])
     finally:
         torch.set_num_threads(count)
+
+
+@pytest.mark.skipif(not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU")
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_rows_on_tiles_keep_their_bits(family, threads):
+    """A prompt's rows on bfloat16 tiles: each row's states and cache entries the same alone,
+    in chunks, on 1 or 2 threads and in blocks of rows (a prompt prefilled in chunks caches what
+    one pass does); other bits than the 8-bit path's, and close to them."""
+    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, **FAMILIES[family])
+    model.setup_cache(80)
+    ids = torch.randint(
+        0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
+    )
+    count = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            eight_bit = model.run_layers(model.embed(ids), 0, 0, model.num_layers)
+            full = model.run_layers(model.embed(ids), 0, 0, model.num_layers, tiles=True)
+            cache = model.cache.clone()
+            for rows in (1, 6, 33):
+                parts = [
+                    model.run_layers(
+                        model.embed(ids[i : i + rows]), i, 0, model.num_layers, tiles=True
+                    )
+                    for i in range(0, len(ids), rows)
+                ]
+                assert torch.equal(torch.cat(parts), full), rows
+                assert torch.equal(model.cache, cache), rows
+            previous = library().dl_set_block_bytes(1)  # products take 8 rows at a time
+            try:
+                blocked = model.run_layers(model.embed(ids), 0, 0, model.num_layers, tiles=True)
+            finally:
+                library().dl_set_block_bytes(previous)
+            assert torch.equal(blocked, full)
+    finally:
+        torch.set_num_threads(count)
+    assert not torch.equal(full, eight_bit)
+    torch.testing.assert_close(full, eight_bit, rtol=0.02, atol=0.02 * float(eight_bit.abs().max()))
 
 
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 4099, 49152])

@@ -10,6 +10,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decoding import Decoding, decode_tokens, start_together, step_together
+from delspec.kernels.layers import prompt_tiles_ready
 from delspec.model import Transformer
 from delspec.policies import make_policy
 from delspec.prefill import (
@@ -43,10 +44,19 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["block weights", "float64 eager"])
-def test_chunked_prefill_caches_the_bits_of_one_pass(compiled: bool) -> None:
-    """Compiled layers (block weights): bit for bit. Eager float64 layers: up to rounding."""
+@pytest.mark.parametrize(
+    "kind", ["block weights", "block weights, long prompts on tiles", "float64 eager"]
+)
+def test_chunked_prefill_caches_the_bits_of_one_pass(kind: str) -> None:
+    """Compiled layers (block weights): bit for bit, also where the long prompt runs on
+    bfloat16 tiles and the short one beside it does not. Eager float64 layers: up to rounding."""
+    compiled = kind != "float64 eager"
     model = tiny_model(seed=5, dtype=torch.float32, blocks=True) if compiled else tiny_model(seed=5)
+    if kind.endswith("on tiles"):
+        if not prompt_tiles_ready():
+            pytest.skip("no AMX-BF16 tiles on this CPU")
+        model.prompt_tiles_from = 20
+        assert model.on_tiles(len(LONG) - 1) and not model.on_tiles(len(SHORT) - 1)
     with torch.inference_mode():
         model.setup_cache(200, 3)
     assert (model.compiled_layers() is not None) == compiled
@@ -71,6 +81,10 @@ def test_chunked_prefill_caches_the_bits_of_one_pass(compiled: bool) -> None:
     expected = decode_tokens(model, LONG, policy, max_new_tokens=12).token_ids
     assert whole.finish().token_ids == chunked.finish().token_ids == expected
     assert chunked.prefill_s > 0 and short.prefill_s > 0
+    if kind.endswith("on tiles"):  # the tiles did run: the 8-bit products cache other bits
+        with torch.inference_mode():
+            model.run_layers(model.embed(LONG[:-1]), 0, 0, model.num_layers, slot=0)
+        assert not torch.equal(cache[:, :, 0, :, :rows], cache[:, :, 1, :, :rows])
 
 
 def test_fair_shares_let_short_prompts_finish_and_long_ones_progress() -> None:

@@ -212,7 +212,10 @@ class Engine:
         if len(prompt) < 2:
             return
         collect: list[Tensor] | None = [] if window else None
-        model.run_layers(model.embed(prompt[:-1]), 0, 0, model.num_layers, collect, slot=self.slot)
+        rows = len(prompt) - 1
+        states = model.embed(prompt[:-1])
+        tiles = model.on_tiles(rows)
+        model.run_layers(states, 0, 0, model.num_layers, collect, slot=self.slot, tiles=tiles)
         if collect:
             w = min(window, len(prompt) - 1)
             hidden = torch.stack([h[-w:] for h in collect])

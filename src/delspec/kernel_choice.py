@@ -4,9 +4,11 @@ For every weight shape a model holds (its layers' projections and its LM head, p
 format) and every row bucket (`kernels.products.ROW_BUCKETS`: the one-token step, verify sizes,
 prefill), the candidate kernels (`Linear.candidates`) are timed over all the model's layers of
 that shape, one product each, so that the weights stream from memory as in a real step. The
-fastest is kept. Choices are cached (`~/.cache/delspec/kernels`), keyed by the CPU, torch, the
-thread count, the model shape, dtype and weight format, and measured again after a week, as the
-cost profile is; the cost profile, measured with the chosen kernels, then sees their times.
+fastest is kept. So is the prompt length from which the compiled layers run a prompt on
+bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them. Choices are cached
+(`~/.cache/delspec/kernels`), keyed by the CPU, torch, the thread count, the model shape, dtype
+and weight format, and measured again after a week, as the cost profile is; the cost profile,
+measured with the chosen kernels, then sees their times.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import torch
 from delspec.cache import cache_dir, write_atomically
 from delspec.costs import PROFILE_MAX_AGE_S
 from delspec.kernels.build import build_key, cpu_flags, cpu_name
+from delspec.kernels.layers import prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.model import Transformer
 from delspec.modules import Linear
 from delspec.timing import settled_seconds
 
-CHOICE_VERSION = 1
+CHOICE_VERSION = 2
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
+PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
 # seconds(candidate name, run) -> the time of `run()`; injectable for tests.
 Timer = Callable[[str, Callable[[], object]], float]
 
@@ -80,6 +84,35 @@ def measure_choices(model: Transformer, timer: Timer | None = None) -> dict[str,
     return choices
 
 
+def measure_prompt_tiles(model: Transformer, timer: Timer | None = None) -> int | None:
+    """The fewest rows (of `PROMPT_ROWS`) from which a prompt runs every layer faster on
+    bfloat16 tiles than on the 8-bit products, there and at every larger count measured; None
+    where tiles never paid or cannot run (no AMX-BF16, no compiled layers)."""
+    counts = [rows for rows in PROMPT_ROWS if rows < model.config.max_position]
+    if not counts or not prompt_tiles_ready():
+        return None
+    with model.scratch_cache(max(counts)), torch.inference_mode():
+        compiled = model.compiled_layers()
+        if compiled is None:
+            return None
+        runs = {}
+        for rows in counts:
+            h = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
+            where = (list(range(rows)), [0] * rows, 0, model.num_layers, None)
+            for tiles in (False, True):
+                runs[rows, tiles] = lambda h=h, w=where, t=tiles: compiled.run(h, *w, tiles=t)
+        if timer is None:
+            times, _ = settled_seconds(runs, ROUNDS)
+        else:
+            times = {key: timer(f"{key[0]} rows, tiles={key[1]}", run) for key, run in runs.items()}
+    paying = None
+    for rows in reversed(counts):
+        if times[rows, True] >= times[rows, False]:
+            break
+        paying = rows
+    return paying
+
+
 def _products(layers: list[Linear], x: torch.Tensor, kernel: str) -> Callable[[], object]:
     """One product of `x` with every layer of a group, through `kernel`."""
     return lambda: [layer.compute(x, kernel) for layer in layers]
@@ -98,18 +131,24 @@ def choose_kernels(model: Transformer) -> None:
     if model.device.type != "cpu":
         return
     path = cache_dir() / "kernels" / f"choice-{_choice_key(model)}.json"
-    choices = _read(path)
-    if choices is None or set(choices) != set(layer_groups(model)):
+    stored = _read(path)
+    if stored is None or set(stored["choices"]) != set(layer_groups(model)):
         print(
             f"delspec: timing product kernels on this CPU (once; cached in {path.parent})",
             file=sys.stderr,
             flush=True,
         )
-        choices = measure_choices(model)
-        stored = {"version": CHOICE_VERSION, "measured_at": time.time(), "cpu": cpu_name()}
-        text = json.dumps({**stored, "choices": choices}, indent=1)
+        stored = {
+            "version": CHOICE_VERSION,
+            "measured_at": time.time(),
+            "cpu": cpu_name(),
+            "choices": measure_choices(model),
+            "prompt_tiles_from": measure_prompt_tiles(model),
+        }
+        text = json.dumps(stored, indent=1)
         write_atomically(path, lambda out: out.write_text(text))
-    apply_choices(model, choices)
+    apply_choices(model, stored["choices"])
+    model.prompt_tiles_from = stored["prompt_tiles_from"]
 
 
 def _choice_key(model: Transformer) -> str:
@@ -126,7 +165,9 @@ def _choice_key(model: Transformer) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _read(path) -> dict[str, dict[int, str]] | None:
+def _read(path) -> dict | None:
+    """The stored choices (their row buckets as numbers again), or None where none are stored
+    for this version or they are older than a week."""
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -135,4 +176,6 @@ def _read(path) -> dict[str, dict[int, str]] | None:
         return None
     if time.time() - stored.get("measured_at", 0) > PROFILE_MAX_AGE_S:
         return None
-    return {key: {int(r): k for r, k in rows.items()} for key, rows in stored["choices"].items()}
+    choices = stored["choices"]
+    stored["choices"] = {key: {int(r): k for r, k in rows.items()} for key, rows in choices.items()}
+    return stored

@@ -57,6 +57,8 @@ class Transformer(nn.Module):
         self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
         self.embed_blocks: BlockWeight | None = None  # replaces embedding.weight when set
         self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
+        # prompts of at least this many rows run on bfloat16 tiles (kernel_choice), None: never
+        self.prompt_tiles_from: int | None = None
         # (what it was bound to, the layers as one compiled call or None): see compiled_layers
         self._layer_binding: tuple[tuple[int, ...], LayerKernels | None] | None = None
 
@@ -200,6 +202,12 @@ class Transformer(nn.Module):
             self._layer_binding = (key, compiled)
         return self._layer_binding[1]
 
+    def on_tiles(self, prompt_rows: int) -> bool:
+        """Whether a prompt of `prompt_rows` rows (all but its last token) runs its products on
+        bfloat16 tiles: from `prompt_tiles_from` rows on, the count from which they were
+        measured to pay on this machine (`kernel_choice`)."""
+        return self.prompt_tiles_from is not None and prompt_rows >= self.prompt_tiles_from
+
     def __getstate__(self) -> dict[str, Any]:  # a copy binds its own cache and weights
         return {**self.__dict__, "_layer_binding": None}
 
@@ -236,6 +244,7 @@ class Transformer(nn.Module):
         collect: list[Tensor] | None = None,
         int8: bool = False,
         slot: int = 0,
+        tiles: bool = False,
     ) -> Tensor:
         """Run layers `[first, last)` on the states of positions `start..start+len(h)-1` of the
         sequence in cache slot `slot`.
@@ -243,6 +252,8 @@ class Transformer(nn.Module):
         Writes those positions' keys and values into each layer's cache. If `collect` is a list,
         every layer's output is appended to it. `int8` runs the layers' products on int8 copies
         of their weights (`Int8Weight`): approximate states and cache entries, for drafts only.
+        `tiles`: the rows are a prompt's that `on_tiles` sends to bfloat16 tiles (compiled layers
+        only; other bits than the 8-bit path's, so every row of that prompt must take it).
         """
         n = h.shape[0]
         self._check_room(start + n - 1, slot)
@@ -250,7 +261,8 @@ class Transformer(nn.Module):
             return h
         compiled = None if int8 else self.compiled_layers()
         if compiled is not None:
-            return compiled.run(h, list(range(start, start + n)), [slot] * n, first, last, collect)
+            positions = list(range(start, start + n))
+            return compiled.run(h, positions, [slot] * n, first, last, collect, tiles=tiles)
         cfg = self.config
         masks = {False: self._mask(start, n, None)}
         if cfg.sliding_window is not None:
@@ -268,17 +280,24 @@ class Transformer(nn.Module):
         return h
 
     def run_rows(
-        self, h: Tensor, positions: list[int], slots: list[int], first: int, last: int
+        self,
+        h: Tensor,
+        positions: list[int],
+        slots: list[int],
+        first: int,
+        last: int,
+        tiles: bool = False,
     ) -> Tensor:
         """Run layers `[first, last)` on rows of several sequences at once: row r is position
         `positions[r]` of the sequence in cache slot `slots[r]` (a batched decode step). Each
         row's result has the bits it would have computed alone (compiled layers: one call for
-        all rows; otherwise one `run_layers` per run of one sequence's consecutive positions)."""
+        all rows; otherwise one `run_layers` per run of one sequence's consecutive positions).
+        `tiles`: as for `run_layers`, for every row."""
         for position, slot in zip(positions, slots, strict=True):
             self._check_room(position, slot)
         compiled = self.compiled_layers()
         if compiled is not None:
-            return compiled.run(h, positions, slots, first, last, None)
+            return compiled.run(h, positions, slots, first, last, None, tiles=tiles)
         out, r = [], 0
         while r < len(positions):  # runs of one sequence's consecutive positions, one call each
             end = r + 1

@@ -106,27 +106,37 @@ def prefill_chunk(
     prefills: Sequence[Prefill], budget: int | None = None, span: float = math.inf
 ) -> None:
     """Run the next rows of `prefills` (on distinct cache slots of one model) through every
-    layer in one batched pass: the rows `budget` allows (`chunk_rows` with attention span
-    `span`; None: every remaining row), shared by `fair_shares`. Each decoding's `prefill_s`
-    gets its rows' share of the time."""
+    layer: the rows `budget` allows (`chunk_rows` with attention span `span`; None: every
+    remaining row), shared by `fair_shares`, in one batched pass for the prompts whose rows run
+    on bfloat16 tiles (`Transformer.on_tiles`) and one for the others. Each decoding's
+    `prefill_s` gets its rows' share of its pass's time."""
     rows = None if budget is None else chunk_rows(prefills, budget, span)
     shares = fair_shares([p.remaining for p in prefills], rows)
     if not any(shares):
         return
     model = prefills[0].decoding.model
+    taking = [(p, rows) for p, rows in zip(prefills, shares, strict=True) if rows]
+    for tiles in (False, True):
+        part = [(p, n) for p, n in taking if model.on_tiles(len(p.decoding.prompt) - 1) == tiles]
+        if part:
+            _run_prompt_rows(model, part, tiles)
+
+
+def _run_prompt_rows(model: Transformer, part: list[tuple[Prefill, int]], tiles: bool) -> None:
+    """The next `rows` rows of each (prefill, rows) of `part` through every layer in one pass."""
     start = time.perf_counter()
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    for prefill, rows in zip(prefills, shares, strict=True):
+    for prefill, rows in part:
         first = prefill.done_rows
         ids += prefill.decoding.prompt[first : first + rows]
         positions += range(first, first + rows)
         slots += [prefill.decoding.engine.slot] * rows
     states = model.embed(ids)
-    model.run_rows(states, positions, slots, 0, model.num_layers)
+    model.run_rows(states, positions, slots, 0, model.num_layers, tiles=tiles)
     synchronize(model.device)
     seconds = time.perf_counter() - start
-    for prefill, rows in zip(prefills, shares, strict=True):
+    for prefill, rows in part:
         prefill.done_rows += rows
         prefill.decoding.prefill_s += seconds * rows / len(ids)

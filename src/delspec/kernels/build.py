@@ -194,6 +194,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_set_block_bytes.restype = i64
     lib.dl_dequantize.argtypes = [i32, p, i64, p, i64, p, i32]
     lib.dl_dequantize.restype = i32
+    lib.dl_tile_stride.argtypes = [i32, i64]
+    lib.dl_tile_stride.restype = i64
+    lib.dl_prompt_tiles_ready.restype = i32
+    lib.dl_bf16_rows.argtypes = [p, i64, i64, i64, i64, p]
+    lib.dl_bf16_rows.restype = None
+    lib.dl_prompt_tiles.argtypes = [i32, p, i64, i32, p, i64, p, i64]
+    lib.dl_prompt_tiles.restype = i32
     f32 = ctypes.c_float
     lib.dl_attention.argtypes = [p, i64, p, p, p, p, f32, f32, p, p, p, i32, i32, i32, i32]
     lib.dl_attention.argtypes += [i64, i64, i64, f32, i32]
@@ -202,7 +209,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_rms_norm.restype = None
     lib.dl_gated.argtypes = [p, i32, i32, i32, p]
     lib.dl_gated.restype = None
-    lib.dl_layers.argtypes = [p, p, i64, p, p, i32, i32, p, i32, p, p]
+    lib.dl_layers.argtypes = [p, p, i64, p, p, i32, i32, p, i32, i32, p, p]
     lib.dl_layers.restype = i32
     lib.dl_top_logsumexp.argtypes = [p, i64, i32, i64, p, p, p]
     lib.dl_top_logsumexp.restype = None

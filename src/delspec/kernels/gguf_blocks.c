@@ -30,6 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#endif
 
 #include "kernels.h"
 #ifdef __AVX2__
@@ -376,7 +379,7 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K) {
     a->sum = a->d + M * G;
     a->half = a->sum + M * G;
     a->q = (int8_t *)(a->half + 2 * M * G);
-    a->x = NULL;
+    a->x = NULL, a->bf16 = NULL;
     a->K = K, a->G = G, a->M = M, a->ldx = K;
 }
 
@@ -808,6 +811,10 @@ static void pair_product(int type, const uint8_t *tile, int64_t stride, const Ac
                          int64_t first, int rows, float out[MAX_ROWS][2 * TILE]) {
     switch (type) { EVERY_TYPE(PAIR_CASE) }
 }
+
+#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+#define PROMPT_TILES 1 /* bfloat16 tile products (AMX) for a prompt's rows */
+#endif
 #endif
 
 /* Column k of an F16 / BF16 tile (one value of each of its 8 rows) as 8 floats. */
@@ -1103,18 +1110,19 @@ void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activation
     }
 }
 
-/* Thread-local scratch of at least `bytes` (grown as needed, kept for the next call: no
+/* Thread-local scratch `which` (0: a product's activations, 1 and 2: a prompt tile product's
+ * weights and outputs) of at least `bytes` (grown as needed, kept for the next call: no
  * allocation per product); NULL when out of memory. */
-static void *scratch(size_t bytes) {
-    static __thread void *buffer = NULL;
-    static __thread size_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        capacity = (bytes + 63) / 64 * 64;
-        buffer = aligned_alloc(64, capacity);
-        if (!buffer) capacity = 0;
+static void *scratch(int which, size_t bytes) {
+    static __thread void *buffer[3] = {NULL};
+    static __thread size_t capacity[3] = {0};
+    if (bytes > capacity[which]) {
+        free(buffer[which]);
+        capacity[which] = (bytes + 63) / 64 * 64;
+        buffer[which] = aligned_alloc(64, capacity[which]);
+        if (!buffer[which]) capacity[which] = 0;
     }
-    return buffer;
+    return buffer[which];
 }
 
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N, W tiled (dl_pack). Returns 0, or -1 for an
@@ -1122,7 +1130,7 @@ static void *scratch(size_t bytes) {
 int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, int threads) {
     if (!dl_tile_bytes(type, N, K)) return -1;
-    void *memory = scratch(dl_activation_bytes(M, K));
+    void *memory = scratch(0, dl_activation_bytes(M, K));
     if (!memory) return -2;
     Activations a;
     dl_activations_at(&a, memory, M, K);
@@ -1131,3 +1139,197 @@ int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float 
     dl_tile_product(type, tiles, N, &a, M, y, ldy);
     return 0;
 }
+
+#ifdef PROMPT_TILES
+/* ---- a prompt's rows on bfloat16 tiles (AMX) ----------------------------------------------
+ * A prompt's many rows make another product pay where the CPU has AMX-BF16: the weights of up to
+ * 4 tiles (32 outputs) unpacked once per call into bfloat16 (w = s * q + m in float, rounded),
+ * and x rounded to bfloat16, multiplied by tile instructions (16 rows by 16 outputs by 32 values
+ * each) summing in float. No per-group float steps per row: those are the VNNI path's limit.
+ * The bits differ from the 8-bit path's, so only a prompt's rows take it, all of them (a chunk
+ * of one row too): each row's bits still depend on nothing but its own x. */
+#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t columns[16]; /* bytes per row */
+    uint8_t rows[16];
+} TileConfig;
+
+/* Bytes of one group's unpacked weights for 2 pairs of tiles: per pair a B tile of 16 rows (pairs
+ * of values 2i, 2i + 1) of 16 outputs' two bfloat16. */
+#define QUAD_GROUP_BYTES 2048
+
+/* Values k and k + 1 of 8 outputs (f0, f1) as 8 bfloat16 pairs (32 bytes at `to`). */
+TILE_TARGET static inline void bf16_pairs(__m256 f0, __m256 f1, uint8_t *to) {
+    __m256i both = (__m256i)_mm256_cvtne2ps_pbh(f1, f0); /* f0's 8, then f1's */
+    const __m256i order = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    _mm256_storeu_si256((__m256i *)to, _mm256_permutexvar_epi16(order, both));
+}
+
+/* Group g of one tile's 8 outputs into its half (`half` 0 or 1) of a B tile (`B`, 1 KB): B row
+ * i holds values 2i and 2i + 1 of each output. */
+TILE_TARGET static inline __attribute__((always_inline)) void unpack_tile(
+    int type, const Layout *L, const uint8_t *tile, int64_t g, uint8_t *B, int half) {
+    int per = L->values / GROUP, j = (int)(g % per);
+    const uint8_t *t = tile + (g / per) * L->tile_bytes, *area = t + L->head + j * L->group_bytes;
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    Scales S;
+    group_scales(type, t, j, &S);
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+        __m256i w = group_vector(type, L, area, v);
+        __m256 s = S.s[v >= 4], m = S.m[v >= 4];
+        __m256 f0 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(w, byte)), m);
+        __m256 f1 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), byte)), m);
+        __m256 f2 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 16), byte)), m);
+        __m256 f3 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 24)), m);
+        bf16_pairs(f0, f1, B + 2 * v * 64 + half * 32);
+        bf16_pairs(f2, f3, B + (2 * v + 1) * 64 + half * 32);
+    }
+}
+
+/* Values k and k + 1 of 16 outputs (f0, f1) as 16 bfloat16 pairs (64 bytes at `to`). */
+TILE_TARGET static inline void bf16_pairs2(__m512 f0, __m512 f1, uint8_t *to) {
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* f0's 16, then f1's */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    _mm512_storeu_si512(to, _mm512_permutexvar_epi16(order, both));
+}
+
+/* Group g of a pair of tiles (`stride` bytes apart) into a B tile: unpack_tile on both at once in
+ * 512-bit vectors. */
+TILE_TARGET static inline __attribute__((always_inline)) void unpack_pair(
+    int type, const Layout *L, const uint8_t *tile, int64_t stride, int64_t g, uint8_t *B) {
+    int per = L->values / GROUP, j = (int)(g % per);
+    const uint8_t *t = tile + (g / per) * L->tile_bytes, *area = t + L->head + j * L->group_bytes;
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    Scales S0, S1;
+    group_scales(type, t, j, &S0);
+    group_scales(type, t + stride, j, &S1);
+    __m512 s[2] = {join_ps(S0.s[0], S1.s[0]), join_ps(S0.s[1], S1.s[1])};
+    __m512 m[2] = {join_ps(S0.m[0], S1.m[0]), join_ps(S0.m[1], S1.m[1])};
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+        __m512i w = group_vector2(L, area, stride, v);
+        __m512 sv = s[v >= 4], mv = m[v >= 4];
+        __m512 f0 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(w, byte)), mv);
+        __m512 f1 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8), byte)), mv);
+        __m512 f2 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 16), byte)), mv);
+        __m512 f3 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 24)), mv);
+        bf16_pairs2(f0, f1, B + 2 * v * 64);
+        bf16_pairs2(f2, f3, B + (2 * v + 1) * 64);
+    }
+}
+
+/* out[r][c] (32 floats a row) = xb[r] . W[c] for r < M and the outputs c of `tiles` (1 to 4)
+ * tiles from `tile` on, the weights of group g unpacked into B (QUAD_GROUP_BYTES a group: the
+ * two B tiles) while the first 32 rows multiply group g - 1 (the tile unit runs beside the
+ * vector units); later rows reuse B. Tiles 4-7 sum rows 0-15 and 16-31 by outputs 0-15 and
+ * 16-31, over the groups in order. */
+TILE_TARGET static inline __attribute__((always_inline)) void quad_product(
+    int type, const Layout *L, const uint8_t *tile, int64_t stride, int tiles, int64_t K,
+    const uint16_t *xb, int64_t M, uint8_t *B, float *out) {
+    int64_t G = K / GROUP;
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        const uint16_t *x = xb + m0 * K;
+        for (int64_t g = 0; g < G; ++g) {
+            uint8_t *b = B + g * QUAD_GROUP_BYTES;
+            if (m0 == 0) {
+                for (int pair = 0; pair < 2; ++pair) {
+                    int have = tiles - 2 * pair;
+                    if (have >= 2)
+                        unpack_pair(type, L, tile + 2 * pair * stride, stride, g, b + pair * 1024);
+                    else if (have == 1)
+                        unpack_tile(type, L, tile + 2 * pair * stride, g, b + pair * 1024, 0);
+                    for (int r = 0; r < 16 && have < 2; ++r) /* outputs without weights: zeros */
+                        memset(b + pair * 1024 + r * 64 + (have > 0 ? 32 : 0), 0, have > 0 ? 32 : 64);
+                }
+            }
+            _tile_loadd(0, x + g * GROUP, K * 2);
+            _tile_loadd(1, x + 16 * K + g * GROUP, K * 2);
+            _tile_loadd(2, b, 64);
+            _tile_loadd(3, b + 1024, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+        float *o = out + m0 * 32;
+        _tile_stored(4, o, 128);
+        _tile_stored(5, o + 16, 128);
+        _tile_stored(6, o + 16 * 32, 128);
+        _tile_stored(7, o + 16 * 32 + 16, 128);
+    }
+}
+
+int dl_prompt_tiles_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        int amx = (d >> 22 & 1) && (d >> 24 & 1); /* AMX-BF16, AMX-TILE */
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+        amx = amx && (a >> 5 & 1); /* AVX512-BF16 */
+        ready = amx && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ready;
+}
+
+#define QUAD_CASE(t)                                                                         \
+    case t: {                                                                                \
+        Layout L;                                                                            \
+        layout_of(t, &L);                                                                    \
+        quad_product(t, &L, tile, stride, tiles, K, xb, M, B, out);                          \
+        break;                                                                               \
+    }
+TILE_TARGET int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int width,
+                                const uint16_t *xb, int64_t M, float *y, int64_t ldy) {
+    Layout L;
+    if (!dl_prompt_tiles_ready() || !layout_of(type, &L) || L.low == 16) return -1;
+    int64_t stride = dl_tile_stride(type, K), padded = (M + 31) / 32 * 32;
+    uint8_t *B = scratch(1, (size_t)(K / GROUP * QUAD_GROUP_BYTES));
+    float *out = scratch(2, (size_t)(padded * 32) * sizeof(float));
+    if (!B || !out) return -2;
+    static __thread int configured = 0; /* the tile shapes, once per thread */
+    if (!configured) {
+        TileConfig config = {.palette = 1};
+        for (int i = 0; i < 8; ++i) config.columns[i] = 64, config.rows[i] = 16;
+        _tile_loadconfig(&config);
+        configured = 1;
+    }
+    int tiles = (width + TILE - 1) / TILE;
+    switch (type) {
+        QUAD_CASE(Q4_0) QUAD_CASE(Q4_1) QUAD_CASE(Q5_0) QUAD_CASE(Q5_1) QUAD_CASE(Q8_0)
+        QUAD_CASE(Q2_K) QUAD_CASE(Q3_K) QUAD_CASE(Q4_K) QUAD_CASE(Q5_K) QUAD_CASE(Q6_K)
+    }
+    for (int64_t m = 0; m < M; ++m) memcpy(y + m * ldy, out + m * 32, (size_t)width * sizeof(float));
+    return 0;
+}
+
+TILE_TARGET void dl_bf16_rows(const float *x, int64_t ldx, int64_t first, int64_t count, int64_t K,
+                              uint16_t *xb) {
+    for (int64_t r = first; r < first + count; ++r)
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(xb + r * K + k),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ldx + k)));
+}
+#else
+int dl_prompt_tiles_ready(void) { return 0; }
+int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int width, const uint16_t *xb,
+                    int64_t M, float *y, int64_t ldy) {
+    (void)type, (void)tile, (void)K, (void)width, (void)xb, (void)M, (void)y, (void)ldy;
+    return -1;
+}
+void dl_bf16_rows(const float *x, int64_t ldx, int64_t first, int64_t count, int64_t K,
+                  uint16_t *xb) {
+    (void)x, (void)ldx, (void)first, (void)count, (void)K, (void)xb;
+}
+#endif

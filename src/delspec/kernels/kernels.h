@@ -30,6 +30,7 @@ typedef struct {
     int64_t K, G, M;
     const float *x;
     int64_t ldx;
+    const uint16_t *bf16; /* a prompt's rows rounded to bfloat16 (dl_prompt_tiles), or NULL */
 } Activations;
 
 /* Bytes of Activations for M rows of K values; `dl_activations_at` lays them out in `memory`
@@ -55,6 +56,20 @@ int64_t dl_set_block_bytes(int64_t bytes);
  * Work-shared over tiles, `dl_row_block` rows at a time. */
 void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activations *a, int64_t M,
                      float *y, int64_t ldy);
+/* Whether this build and CPU multiply a prompt's rows on bfloat16 tiles (AMX-BF16; the process
+ * is granted the tiles' state at the first call). */
+int dl_prompt_tiles_ready(void);
+/* Rows [first, first + count) of x (row stride ldx, K values) rounded to bfloat16 into xb (row
+ * stride K). */
+void dl_bf16_rows(const float *x, int64_t ldx, int64_t first, int64_t count, int64_t K,
+                  uint16_t *xb);
+/* y[m * ldy + c] = xb[m] . W[c] for m < M and the first `width` (<= 32) weight rows c from the
+ * tile at `tile` on (up to 4 tiles), the weights rounded to bfloat16, summed in float32 by tile
+ * instructions: xb as dl_bf16_rows leaves it, M rounded up to 32 rows readable. Each row's bits
+ * depend on its own x alone. Returns 0, -1 without tile products (dl_prompt_tiles_ready) or for
+ * float16 / bfloat16 weights, -2 when out of memory. */
+int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int width, const uint16_t *xb,
+                    int64_t M, float *y, int64_t ldy);
 
 /* The shape of one layer's attention. */
 typedef struct {

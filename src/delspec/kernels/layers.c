@@ -81,6 +81,7 @@ typedef struct {
 typedef struct {
     atomic_int arrived, phase, sleepers;
     atomic_long slept;
+    atomic_int failed; /* a thread ran out of memory */
 } Team;
 
 /* A thread's place in its team: when it left the last barrier. */
@@ -146,69 +147,82 @@ static void team_wait(Member *me) {
     me->since = omp_get_wtime();
 }
 
+/* Weight rows a thread takes at a time: a pair of tiles, or with a prompt's rows on bfloat16
+ * tiles (`a->bf16`) two pairs. */
+static int unit_of(const Activations *a) { return a->bf16 ? 4 * TILE : 2 * TILE; }
+
 /* out[m][0..width) for rows m0 + m (m < count) of `a` and weight rows row..row + width - 1 of
- * `w` (row a multiple of 8; width <= 16 and within one part: one tile or a pair), plus the
- * bias. */
+ * `w` (row a multiple of 8; width <= unit_of(a) and within one part), plus the bias. A prompt's
+ * rows go on bfloat16 tiles, except for float16 / bfloat16 weights (multiplied in float). */
 static void linear_tiles(const Linear *w, int64_t row, int width, const Activations *a,
-                         int64_t m0, int64_t count, float *out, int64_t ldo) {
+                         int64_t m0, int64_t count, float *out, int64_t ldo, Member *me) {
     int p = 0;
-    int64_t first = 0;
+    int64_t first = 0, stride;
     while (row >= first + w->rows[p]) first += w->rows[p++];
     int64_t local = row - first;
-    const uint8_t *tile = w->tiles[p] + local / TILE * dl_tile_stride(w->type[p], w->K);
-    dl_tile(w->type[p], tile, a, m0, count, out, ldo, width);
+    stride = dl_tile_stride(w->type[p], w->K);
+    const uint8_t *tile = w->tiles[p] + local / TILE * stride;
+    int status = a->bf16 ? dl_prompt_tiles(w->type[p], tile, w->K, width, a->bf16 + m0 * a->K,
+                                           count, out, ldo)
+                         : -1;
+    if (status == -2) atomic_store(&me->team->failed, 1);
+    for (int c = 0; status == -1 && c < width; c += 2 * TILE)
+        dl_tile(w->type[p], tile + c / TILE * stride, a, m0, count, out + c, ldo,
+                width - c < 2 * TILE ? width - c : 2 * TILE);
     if (w->bias)
         for (int64_t m = 0; m < count; ++m)
             for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
 }
 
-/* A part's rows rounded up to whole pairs of tiles (its odd last tile counting as a pair). */
-static int64_t paired(int64_t rows) { return (rows + 2 * TILE - 1) / (2 * TILE) * 2 * TILE; }
+/* A part's rows rounded up to whole units of `unit` rows (its last tiles counting as one). */
+static int64_t paired(int64_t rows, int unit) { return (rows + unit - 1) / unit * unit; }
 
-/* Rows of a part from `local` on that one call of linear_tiles takes (a pair of tiles, or the
- * part's odd last tile). */
-static int pair_width(int64_t rows, int64_t local) {
-    return rows - local < 2 * TILE ? (int)(rows - local) : 2 * TILE;
+/* Rows of a part from `local` on that one call of linear_tiles takes (a unit, or the part's
+ * last tiles). */
+static int pair_width(int64_t rows, int64_t local, int unit) {
+    return rows - local < unit ? (int)(rows - local) : unit;
 }
 
-/* out = x . W (+ bias) for the M rows quantised in `a`. Work-shared over pairs of tiles (never
- * across parts), then the team's barrier. */
+/* out = x . W (+ bias) for the M rows quantised (or rounded to bfloat16) in `a`. Work-shared
+ * over units of tiles (`unit_of`, never across parts), then the team's barrier. */
 static void linear(const Linear *w, const Activations *a, int64_t M, float *out, Member *me) {
+    int unit = unit_of(a);
     int64_t pairs = 0, block = dl_row_block(a->K);
-    for (int p = 0; p < w->parts; ++p) pairs += paired(w->rows[p]) / (2 * TILE);
+    for (int p = 0; p < w->parts; ++p) pairs += paired(w->rows[p], unit) / unit;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t count = M - m0 < block ? M - m0 : block;
         float *rows = out + m0 * w->N;
 #pragma omp for schedule(static) nowait
         for (int64_t u = 0; u < pairs; ++u) {
             int p = 0;
-            int64_t first = 0, local = 2 * TILE * u;
-            while (local >= paired(w->rows[p])) local -= paired(w->rows[p]), first += w->rows[p++];
-            linear_tiles(w, first + local, pair_width(w->rows[p], local), a, m0, count,
-                         rows + first + local, w->N);
+            int64_t first = 0, local = unit * u;
+            while (local >= paired(w->rows[p], unit))
+                local -= paired(w->rows[p], unit), first += w->rows[p++];
+            linear_tiles(w, first + local, pair_width(w->rows[p], local, unit), a, m0, count,
+                         rows + first + local, w->N, me);
         }
     }
     team_wait(me);
 }
 
 /* act = f(x . W_gate) * (x . W_up), W_gate the first `width` rows of `w` and W_up the next.
- * Work-shared over pairs of tiles (each thread takes a pair of gate tiles and the matching up
+ * Work-shared over units of tiles (each thread takes a unit of gate tiles and the matching up
  * tiles), then the team's barrier. */
 static void gated_linear(const Model *m, const Linear *w, const Activations *a, int64_t M,
                          float *act, float *scratch, Member *me) {
-    int width = m->intermediate;
-    float *gate = scratch, *up = scratch + M * 2 * TILE;
+    int width = m->intermediate, unit = unit_of(a);
+    float *gate = scratch, *up = scratch + M * unit;
     int64_t block = dl_row_block(a->K);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t count = M - m0 < block ? M - m0 : block;
 #pragma omp for schedule(static) nowait
-        for (int64_t u = 0; u < paired(width) / (2 * TILE); ++u) {
-            int64_t col = 2 * TILE * u;
-            int n = pair_width(width, col);
-            linear_tiles(w, col, n, a, m0, count, gate, 2 * TILE);
-            linear_tiles(w, width + col, n, a, m0, count, up, 2 * TILE);
+        for (int64_t u = 0; u < paired(width, unit) / unit; ++u) {
+            int64_t col = unit * u;
+            int n = pair_width(width, col, unit);
+            linear_tiles(w, col, n, a, m0, count, gate, unit, me);
+            linear_tiles(w, width + col, n, a, m0, count, up, unit, me);
             for (int64_t r = 0; r < count; ++r)
-                dl_gated_row(gate + r * 2 * TILE, up + r * 2 * TILE, n, m->gelu,
+                dl_gated_row(gate + r * unit, up + r * unit, n, m->gelu,
                              act + (m0 + r) * width + col);
         }
     }
@@ -219,19 +233,26 @@ static void gated_linear(const Model *m, const Linear *w, const Activations *a, 
  * it takes rows [from, to) in the per-row steps. */
 typedef struct {
     float *h, *x, *delta; /* [rows][hidden] */
-    float *gate;          /* [2][rows][16] */
-    void *quantised;      /* Activations for the widest product input */
+    float *gate;          /* [2][rows][32]: gate and up outputs of a unit */
+    void *quantised;      /* Activations (or a prompt's bfloat16 rows) for the widest input */
     float *attention;     /* dl_attention_scratch floats */
     int64_t from, to;
-    int split;
+    int split, tiles;
 } Own;
 
 /* The rows of `source` (row stride ld) this thread takes, quantised into `a` (laid out for all
- * `rows`); with split rows, the team's barrier after it (a product reads every row). */
+ * `rows`), or for a prompt's rows rounded to bfloat16 (`a->bf16`); with split rows, the team's
+ * barrier after it (a product reads every row). */
 static void quantised(const Own *own, const float *source, int64_t ld, Activations *a,
                       int64_t rows, Member *me) {
     dl_activations_at(a, own->quantised, rows, ld);
-    dl_quantise_rows(source, ld, own->from, own->to - own->from, a);
+    if (own->tiles) {
+        uint16_t *rounded = own->quantised;
+        dl_bf16_rows(source, ld, own->from, own->to - own->from, ld, rounded);
+        a->x = source, a->bf16 = rounded;
+    } else {
+        dl_quantise_rows(source, ld, own->from, own->to - own->from, a);
+    }
     if (own->split) team_wait(me);
 }
 
@@ -313,10 +334,12 @@ static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
  * with `profile`, seconds per step of a layer are added to profile[0..7] (norm, q/k/v,
  * attention, output, MLP norm, gate/up, down, residual). With `waits`, waits[0] gets the
  * number of barrier waits of the call (all threads but the last to arrive, at each barrier)
- * and waits[1] how many of them slept (a partner thread was far behind: not running). Returns 0, or -2 when out of memory. */
+ * and waits[1] how many of them slept (a partner thread was far behind: not running). With
+ * `tiles` (long prompts' rows), the products run on bfloat16 tiles where dl_prompt_tiles_ready.
+ * Returns 0, or -2 when out of memory. */
 int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
               const int64_t *slots, int first, int last, float *collect, int threads,
-              double *profile, int64_t *waits) {
+              int tiles, double *profile, int64_t *waits) {
     if (first >= last) return 0;
     int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
     int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
@@ -334,7 +357,11 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         round64((size_t)(rows * width) * 4),                  /* activation */
         states,                                               /* o / down output */
     };
-    size_t gates = round64((size_t)(2 * rows * 2 * TILE) * 4), quantised = dl_activation_bytes(rows, widest);
+    tiles = tiles && dl_prompt_tiles_ready();
+    /* a prompt's bfloat16 rows, and 32 more that the tile products read (their outputs unused) */
+    size_t gates = round64((size_t)(2 * rows * 4 * TILE) * 4),
+           quantised = tiles ? round64((size_t)((rows + 32) * widest) * 2)
+                              : dl_activation_bytes(rows, widest);
     size_t own_bytes = 3 * states + gates + quantised +
                        round64((size_t)dl_attention_scratch(&shape, &R) * 4);
     size_t total = shared[0] + shared[1] + shared[2] + shared[3] + own_bytes * (size_t)team;
@@ -364,7 +391,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         Own own = {(float *)states_at, (float *)(states_at + states),
                    (float *)(states_at + 2 * states), (float *)(at + 3 * states),
                    states_at + 3 * states + gates, (float *)(at + 3 * states + gates + quantised),
-                   0, rows, shared_states};
+                   0, rows, shared_states, tiles};
         if (own.split)
             own.from = rows * t / me.size, own.to = rows * (t + 1) / me.size;
         memcpy(own.h + own.from * d, h + own.from * d, (size_t)((own.to - own.from) * d) * 4);
@@ -377,6 +404,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         if (own.split) team_wait(&me);
         if (t == 0) memcpy(h, own.h, (size_t)(rows * d) * 4);
     }
+    if (atomic_load(&shared_team.failed)) return -2;
     if (waits) {
         int shared_states = split && size > 1; /* 4 more barriers a layer, and one at the end */
         int per_layer = 5 + (written ? 1 : 0) + (shared_states ? 4 + (collect ? 1 : 0) : 0);

@@ -100,6 +100,13 @@ def _norm(module) -> int | None:
     return None if module is None else module.weight.data_ptr()
 
 
+def prompt_tiles_ready() -> bool:
+    """Whether the compiled layers can run a prompt's products on bfloat16 tiles here (a CPU
+    with AMX-BF16, whose tile state the process is granted)."""
+    lib = library()
+    return lib is not None and bool(lib.dl_prompt_tiles_ready())
+
+
 class LayerKernels:
     """The compiled layer range of one model. See the module docstring."""
 
@@ -169,11 +176,14 @@ class LayerKernels:
         last: int,
         collect: list[Tensor] | None,
         profile: Tensor | None = None,
+        tiles: bool = False,
     ) -> Tensor:
         """Layers `[first, last)` on states `h` `[rows, hidden]`, row r at position
         `positions[r]` of cache slot `slots[r]`; each layer's output is appended to `collect` if
-        given. `profile` (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are
-        added to it. Threads: as many as `TEAM` says (torch's count unless contended)."""
+        given. `tiles`: the products on bfloat16 tiles where the CPU has them (a long prompt's
+        rows: `Transformer.on_tiles`). `profile` (float64 `[len(STEPS)]`): seconds per step of
+        a layer (`STEPS`) are added to it. Threads: as many as `TEAM` says (torch's count unless
+        contended)."""
         out = h.contiguous().clone()
         rows = out.shape[0]
         where = torch.tensor([positions, slots], dtype=torch.int64)
@@ -191,6 +201,7 @@ class LayerKernels:
             last,
             None if states is None else states.data_ptr(),
             threads,
+            int(tiles),
             None if profile is None else profile.data_ptr(),
             self._waits.data_ptr(),
         )
