@@ -34,6 +34,7 @@ from delspec.timing import settled_seconds
 CHOICE_VERSION = 2
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
 PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
+PROMPT_LAYERS = 2  # ...through this many layers (a prompt's rows are compute-bound)
 # seconds(candidate name, run) -> the time of `run()`; injectable for tests.
 Timer = Callable[[str, Callable[[], object]], float]
 
@@ -85,9 +86,9 @@ def measure_choices(model: Transformer, timer: Timer | None = None) -> dict[str,
 
 
 def measure_prompt_tiles(model: Transformer, timer: Timer | None = None) -> int | None:
-    """The fewest rows (of `PROMPT_ROWS`) from which a prompt runs every layer faster on
-    bfloat16 tiles than on the 8-bit products, there and at every larger count measured; None
-    where tiles never paid or cannot run (no AMX-BF16, no compiled layers)."""
+    """The fewest rows (of `PROMPT_ROWS`) from which a prompt runs the first `PROMPT_LAYERS`
+    layers faster on bfloat16 tiles than on the 8-bit products, there and at every larger count
+    measured; None where tiles never paid or cannot run (no AMX-BF16, no compiled layers)."""
     counts = [rows for rows in PROMPT_ROWS if rows < model.config.max_position]
     if not counts or not prompt_tiles_ready():
         return None
@@ -98,7 +99,8 @@ def measure_prompt_tiles(model: Transformer, timer: Timer | None = None) -> int 
         runs = {}
         for rows in counts:
             h = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
-            where = (list(range(rows)), [0] * rows, 0, model.num_layers, None)
+            layers = min(PROMPT_LAYERS, model.num_layers)
+            where = (list(range(rows)), [0] * rows, 0, layers, None)
             for tiles in (False, True):
                 runs[rows, tiles] = lambda h=h, w=where, t=tiles: compiled.run(h, *w, tiles=t)
         if timer is None:

@@ -23,7 +23,9 @@
  *
  * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with VNNI dot products
  * (AVX-512 VNNI or AVX-VNNI) where the CPU has them, or portable C. With AVX-512, pairs of tiles
- * are computed at once in 512-bit vectors (tile_pair), with the bits of one tile at a time.
+ * are computed at once in 512-bit vectors (tile_pair), with the bits of one tile at a time. A
+ * long prompt's rows may take another product where the CPU has AMX-BF16 (dl_prompt_tiles, at
+ * the end): all of that prompt's rows, and never decoding's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -1298,13 +1300,11 @@ TILE_TARGET int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int wi
     uint8_t *B = scratch(1, (size_t)(K / GROUP * QUAD_GROUP_BYTES));
     float *out = scratch(2, (size_t)(padded * 32) * sizeof(float));
     if (!B || !out) return -2;
-    static __thread int configured = 0; /* the tile shapes, once per thread */
-    if (!configured) {
-        TileConfig config = {.palette = 1};
-        for (int i = 0; i < 8; ++i) config.columns[i] = 64, config.rows[i] = 16;
-        _tile_loadconfig(&config);
-        configured = 1;
-    }
+    /* the tile shapes, at every call: other code on this thread (a library's own tile kernels)
+     * may have loaded others, or released the tiles, since the last one */
+    TileConfig config = {.palette = 1};
+    for (int i = 0; i < 8; ++i) config.columns[i] = 64, config.rows[i] = 16;
+    _tile_loadconfig(&config);
     int tiles = (width + TILE - 1) / TILE;
     switch (type) {
         QUAD_CASE(Q4_0) QUAD_CASE(Q4_1) QUAD_CASE(Q5_0) QUAD_CASE(Q5_1) QUAD_CASE(Q8_0)
