@@ -15,6 +15,7 @@ from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
 from delspec.kernels.layers import LayerKernels, prompt_tiles_ready
 from delspec.kernels.scores import top_logsumexp
+from delspec.model import Transformer
 from delspec.modules import apply_rope, rope_inv_freq, rope_table
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
@@ -181,6 +182,19 @@ FAMILIES = {
 }
 
 
+def model_and_prompt(family: str, block_type: T) -> tuple[Transformer, torch.Tensor]:
+    """A tiny model of `family` on `block_type` blocks with a cache of 80 positions, and 70
+    token ids to run through it."""
+    model = tiny_model(
+        seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **FAMILIES[family]
+    )
+    model.setup_cache(80)
+    ids = torch.randint(
+        0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
+    )
+    return model, ids
+
+
 @pytest.mark.parametrize(
     "family, block_type",
     [(family, T.Q8_0) for family in FAMILIES] + [("llama", T.F16), ("llama", T.BF16)],
@@ -195,15 +209,8 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
     computed alone or with others (fewer and more rows than the cache is written ahead for, and
     than the threads split the per-row steps from). F16 / BF16 weights take the float rows
     themselves, which the compiled call must keep."""
-    model = tiny_model(
-        seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **FAMILIES[family]
-    )
-    model.setup_cache(80)
-    compiled = model.compiled_layers()
-    assert compiled is not None
-    ids = torch.randint(
-        0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
-    )
+    model, ids = model_and_prompt(family, block_type)
+    assert model.compiled_layers() is not None
     count = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -247,11 +254,7 @@ def test_prompt_rows_on_tiles_keep_their_bits(family, threads):
     """A prompt's rows on bfloat16 tiles: each row's states and cache entries the same alone,
     in chunks, on 1 or 2 threads and in blocks of rows (a prompt prefilled in chunks caches what
     one pass does); other bits than the 8-bit path's, and close to them."""
-    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, **FAMILIES[family])
-    model.setup_cache(80)
-    ids = torch.randint(
-        0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
-    )
+    model, ids = model_and_prompt(family, T.Q8_0)
     count = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
