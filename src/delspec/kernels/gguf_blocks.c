@@ -1164,37 +1164,8 @@ typedef struct {
  * of values 2i, 2i + 1) of 16 outputs' two bfloat16. */
 #define QUAD_GROUP_BYTES 2048
 
-/* Values k and k + 1 of 8 outputs (f0, f1) as 8 bfloat16 pairs (32 bytes at `to`). */
-TILE_TARGET static inline void bf16_pairs(__m256 f0, __m256 f1, uint8_t *to) {
-    __m256i both = (__m256i)_mm256_cvtne2ps_pbh(f1, f0); /* f0's 8, then f1's */
-    const __m256i order = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    _mm256_storeu_si256((__m256i *)to, _mm256_permutexvar_epi16(order, both));
-}
-
-/* Group g of one tile's 8 outputs into its half (`half` 0 or 1) of a B tile (`B`, 1 KB): B row
- * i holds values 2i and 2i + 1 of each output. */
-TILE_TARGET static inline __attribute__((always_inline)) void unpack_tile(
-    int type, const Layout *L, const uint8_t *tile, int64_t g, uint8_t *B, int half) {
-    int per = L->values / GROUP, j = (int)(g % per);
-    const uint8_t *t = tile + (g / per) * L->tile_bytes, *area = t + L->head + j * L->group_bytes;
-    const __m256i byte = _mm256_set1_epi32(0xff);
-    Scales S;
-    group_scales(type, t, j, &S);
-#pragma GCC unroll 8
-    for (int v = 0; v < 8; ++v) {
-        __m256i w = group_vector(type, L, area, v);
-        __m256 s = S.s[v >= 4], m = S.m[v >= 4];
-        __m256 f0 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(w, byte)), m);
-        __m256 f1 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), byte)), m);
-        __m256 f2 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 16), byte)), m);
-        __m256 f3 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 24)), m);
-        bf16_pairs(f0, f1, B + 2 * v * 64 + half * 32);
-        bf16_pairs(f2, f3, B + (2 * v + 1) * 64 + half * 32);
-    }
-}
-
 /* Values k and k + 1 of 16 outputs (f0, f1) as 16 bfloat16 pairs (64 bytes at `to`). */
-TILE_TARGET static inline void bf16_pairs2(__m512 f0, __m512 f1, uint8_t *to) {
+TILE_TARGET static inline void bf16_pairs(__m512 f0, __m512 f1, uint8_t *to) {
     __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* f0's 16, then f1's */
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
@@ -1202,8 +1173,8 @@ TILE_TARGET static inline void bf16_pairs2(__m512 f0, __m512 f1, uint8_t *to) {
     _mm512_storeu_si512(to, _mm512_permutexvar_epi16(order, both));
 }
 
-/* Group g of a pair of tiles (`stride` bytes apart) into a B tile: unpack_tile on both at once in
- * 512-bit vectors. */
+/* Group g of a pair of tiles (`stride` bytes apart; 0: one tile, in both halves) into a B tile
+ * (`B`, 1 KB): B row i holds values 2i and 2i + 1 of each of the 16 outputs. */
 TILE_TARGET static inline __attribute__((always_inline)) void unpack_pair(
     int type, const Layout *L, const uint8_t *tile, int64_t stride, int64_t g, uint8_t *B) {
     int per = L->values / GROUP, j = (int)(g % per);
@@ -1222,8 +1193,8 @@ TILE_TARGET static inline __attribute__((always_inline)) void unpack_pair(
         __m512 f1 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8), byte)), mv);
         __m512 f2 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 16), byte)), mv);
         __m512 f3 = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 24)), mv);
-        bf16_pairs2(f0, f1, B + 2 * v * 64);
-        bf16_pairs2(f2, f3, B + (2 * v + 1) * 64);
+        bf16_pairs(f0, f1, B + 2 * v * 64);
+        bf16_pairs(f2, f3, B + (2 * v + 1) * 64);
     }
 }
 
@@ -1247,10 +1218,9 @@ TILE_TARGET static inline __attribute__((always_inline)) void quad_product(
             if (m0 == 0) {
                 for (int pair = 0; pair < 2; ++pair) {
                     int have = tiles - 2 * pair;
-                    if (have >= 2)
-                        unpack_pair(type, L, tile + 2 * pair * stride, stride, g, b + pair * 1024);
-                    else if (have == 1)
-                        unpack_tile(type, L, tile + 2 * pair * stride, g, b + pair * 1024, 0);
+                    if (have > 0)
+                        unpack_pair(type, L, tile + 2 * pair * stride, have > 1 ? stride : 0, g,
+                                    b + pair * 1024);
                     for (int r = 0; r < 16 && have < 2; ++r) /* outputs without weights: zeros */
                         memset(b + pair * 1024 + r * 64 + (have > 0 ? 32 : 0), 0, have > 0 ? 32 : 64);
                 }
