@@ -182,13 +182,14 @@ FAMILIES = {
 }
 
 
-def model_and_prompt(family: str, block_type: T) -> tuple[Transformer, torch.Tensor]:
-    """A tiny model of `family` on `block_type` blocks with a cache of 80 positions, and 70
-    token ids to run through it."""
-    model = tiny_model(
-        seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **FAMILIES[family]
-    )
-    model.setup_cache(80)
+def model_and_prompt(
+    family: str, block_type: T, head_dim: int = 8, slots: int = 1
+) -> tuple[Transformer, torch.Tensor]:
+    """A tiny model of `family` on `block_type` blocks with a cache of 80 positions (in `slots`
+    sequence slots), and 70 token ids to run through it."""
+    overrides = {**FAMILIES[family], "head_dim": head_dim}
+    model = tiny_model(seed=3, dtype=torch.float32, blocks=True, block_type=block_type, **overrides)
+    model.setup_cache(80, slots)
     ids = torch.randint(
         0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(4)
     )
@@ -250,11 +251,13 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
 @pytest.mark.skipif(not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU")
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prompt_rows_on_tiles_keep_their_bits(family, threads):
-    """A prompt's rows on bfloat16 tiles: each row's states and cache entries the same alone,
-    in chunks, on 1 or 2 threads and in blocks of rows (a prompt prefilled in chunks caches what
-    one pass does); other bits than the 8-bit path's, and close to them."""
-    model, ids = model_and_prompt(family, T.Q8_0)
+@pytest.mark.parametrize("head_dim", [8, 32], ids=["attention in float", "attention on tiles"])
+def test_prompt_rows_on_tiles_keep_their_bits(family, threads, head_dim):
+    """A prompt's rows on bfloat16 tiles (and with heads of 32 values or more, their attention):
+    each row's states and cache entries the same alone, in chunks, on 1 or 2 threads and in
+    blocks of rows (a prompt prefilled in chunks caches what one pass does); other bits than the
+    8-bit path's, and close to them."""
+    model, ids = model_and_prompt(family, T.Q8_0, head_dim)
     count = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -281,6 +284,43 @@ def test_prompt_rows_on_tiles_keep_their_bits(family, threads):
         torch.set_num_threads(count)
     assert not torch.equal(full, eight_bit)
     torch.testing.assert_close(full, eight_bit, rtol=0.02, atol=0.02 * float(eight_bit.abs().max()))
+
+
+@pytest.mark.skipif(not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prompt_attention_on_tiles_takes_rows_of_several_sequences(family):
+    """Two prompts' rows in one call on tiles (a server's prefill chunk), in pieces of either
+    beside the other: each row has the bits of its prompt computed alone, and each prompt's
+    cache slot holds them."""
+    model, ids = model_and_prompt(family, T.Q8_0, head_dim=32, slots=2)
+    other = ids.flip(0)[:50]
+    with torch.inference_mode():
+        alone = [
+            model.run_layers(model.embed(prompt), 0, 0, model.num_layers, slot=slot, tiles=True)
+            for slot, prompt in ((0, ids), (1, other))
+        ]
+        cache = model.cache.clone()
+        model.cache.zero_()
+        done = [0, 0]
+        for take in ((23, 9), (1, 30), (46, 11)):  # rows of prompt 0, then of prompt 1
+            rows = [(0, p) for p in range(done[0], done[0] + take[0])]
+            rows += [(1, p) for p in range(done[1], done[1] + take[1])]
+            tokens = torch.stack([(ids, other)[slot][p] for slot, p in rows])
+            out = model.run_rows(
+                model.embed(tokens),
+                [p for _, p in rows],
+                [slot for slot, _ in rows],
+                0,
+                model.num_layers,
+                tiles=True,
+            )
+            for slot in (0, 1):
+                mine = [i for i, (s, _) in enumerate(rows) if s == slot]
+                got = out[mine]
+                assert torch.equal(got, alone[slot][done[slot] : done[slot] + len(mine)])
+                done[slot] += len(mine)
+        assert done == [70, 50]
+    assert torch.equal(model.cache, cache)
 
 
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 4099, 49152])

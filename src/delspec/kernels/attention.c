@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include <omp.h>
@@ -387,6 +388,256 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
         }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) &&                 \
+    defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+#define ATTENTION_TILES 1 /* gguf_blocks.c's tile kernels are built too */
+#endif
+
+#ifdef ATTENTION_TILES
+/* ---- a prompt's attention on bfloat16 tiles (AMX) ------------------------------------------
+ * A task: up to QUERY_ROWS consecutive rows of one sequence, one key-value head, all its query
+ * heads. Its keys and values (from the first KEY_BLOCK-aligned block any of its rows sees, to its
+ * last row; zeros after) are rounded to bfloat16 once for the heads; the tile unit multiplies the
+ * rows' queries by the keys (scores), then the softmax weights (rounded) by the values, summing in
+ * float over key blocks aligned to position 0. The softmax runs row by row in vectors whose lane
+ * is the key's position modulo 16. A row's bits then depend on its own query, keys and values
+ * alone, not on the rows of its task: keys a row does not see have weight zero and add nothing,
+ * wherever its task's blocks begin and end. */
+#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define QUERY_ROWS 16
+#define KEY_BLOCK 32
+
+/* The 16 values x[0..15] rounded to bfloat16, and back in float. */
+TILE_TARGET static inline __m512 bf16_rounded(__m512 x) {
+    __m256i half = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* 16 pairs of bfloat16 (32-bit units): values 2i, 2i + 1 of x[0..31] in unit i. */
+TILE_TARGET static inline __m512i bf16_pairs_of(const float *x) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+/* exp_approx of 16 values at once (the same operations, so the same bits). */
+TILE_TARGET static inline __m512 exp16_approx(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, whole), p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* The keys and values of positions [first, first + count) (count a multiple of KEY_BLOCK) of one
+ * key-value head, those after `last` as zeros, in tile layouts: keys as B tiles of the scores
+ * (per 16 keys and 32 values of dim, row i holds values 2i, 2i + 1 of each key: 1 KB), values as
+ * B tiles of the sums (per KEY_BLOCK keys and 16 values of dim, row i holds keys 2i, 2i + 1's
+ * value of each: 1 KB). */
+TILE_TARGET static void tile_keys_values(const float *k, const float *v, int dim, int64_t first,
+                                         int64_t count, int64_t last, uint8_t *kt, uint8_t *vt) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    for (int64_t j = 0; j < count; ++j) {
+        int64_t p = first + j;
+        for (int c = 0; c < dim / 32; ++c) {
+            __m512i pairs = p <= last ? bf16_pairs_of(k + p * dim + c * 32) : _mm512_setzero_si512();
+            int32_t *tile = (int32_t *)(kt + ((j / 16) * (dim / 32) + c) * 1024) + j % 16;
+            _mm512_i32scatter_epi32(tile, rows, pairs, 4);
+        }
+    }
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    for (int64_t j = 0; j < count; j += 2)
+        for (int c = 0; c < dim / 16; ++c) {
+            int64_t p = first + j;
+            __m512 v0 = p <= last ? _mm512_loadu_ps(v + p * dim + c * 16) : _mm512_setzero_ps();
+            __m512 v1 = p + 1 <= last ? _mm512_loadu_ps(v + (p + 1) * dim + c * 16)
+                                      : _mm512_setzero_ps();
+            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+            uint8_t *tile = vt + ((j / KEY_BLOCK) * (dim / 16) + c) * 1024 + (j % KEY_BLOCK) / 2 * 64;
+            _mm512_storeu_si512(tile, _mm512_permutexvar_epi16(order, both));
+        }
+}
+
+/* The softmax weights of one row (scores s[0..n), keys first.. of which it sees [lo, hi]) rounded
+ * to bfloat16 into w, zeros for the keys it does not see; returns their sum. */
+TILE_TARGET static float row_weights(const float *s, int64_t n, int64_t first, int64_t lo,
+                                     int64_t hi, float scale, uint16_t *w) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps(), by = _mm512_set1_ps(scale);
+    __mmask16 seen[n / 16];
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(first + i)));
+        seen[i / 16] = _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32((int)lo)) &
+                       _mm512_cmple_epi32_mask(at, _mm512_set1_epi32((int)hi));
+        top = _mm512_mask_max_ps(top, seen[i / 16], top, _mm512_mul_ps(_mm512_loadu_ps(s + i), by));
+    }
+    __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), by), most);
+        __m512 e = _mm512_maskz_mov_ps(seen[i / 16], bf16_rounded(exp16_approx(x)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(w + i), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    float lane[16], total = 0.0f;
+    _mm512_storeu_ps(lane, sum);
+    for (int l = 0; l < 16; ++l) total += lane[l];
+    return total;
+}
+
+/* The rows [r0, r0 + n) (n <= QUERY_ROWS) of one sequence for query heads of key-value head g:
+ * keys `first`.. of kt and vt (tile_keys_values), `memory` for the rest. */
+TILE_TARGET static void row_block(const AttentionShape *s, const Rows *R, const float *qkv,
+                                  int64_t ld_qkv, const float *cos, const float *sin,
+                                  const uint8_t *kt, const uint8_t *vt, int64_t first, float *out,
+                                  int r0, int n, int g, uint8_t *memory) {
+    int dim = s->dim, group = s->heads / s->kv_heads;
+    int64_t p0 = position_of(R, r0), count = ((p0 + n - 1) / KEY_BLOCK + 1) * KEY_BLOCK - first;
+    uint16_t *q = (uint16_t *)memory; /* the rows' queries (normed, rotated) [16][dim] */
+    float *scores = (float *)(memory + QUERY_ROWS * dim * 2), *o = scores + QUERY_ROWS * count;
+    float *row = o + QUERY_ROWS * dim, total[QUERY_ROWS];
+    uint16_t *w = (uint16_t *)(row + 2 * dim);
+    if (n < QUERY_ROWS) /* the rows after the block's: no weights */
+        memset(w + n * count, 0, (size_t)((QUERY_ROWS - n) * count) * 2);
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+        for (int r = 0; r < QUERY_ROWS; ++r) {
+            if (r < n) {
+                const float *x = qkv + (int64_t)(r0 + r) * ld_qkv + (int64_t)h * dim;
+                for (int i = 0; i < dim; ++i) row[dim + i] = x[i];
+                head_norm(row + dim, dim, s->q_norm, s->norm_eps, s->norm_offset);
+                rope(row + dim, table_of(R, cos, r0 + r, dim), table_of(R, sin, r0 + r, dim), dim,
+                     row);
+            } else {
+                memset(row, 0, (size_t)dim * 4);
+            }
+            for (int i = 0; i < dim; i += 16)
+                _mm256_storeu_si256((__m256i *)(q + r * dim + i),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + i)));
+        }
+        for (int64_t j = 0; j < count; j += 16) { /* scores[r][j..j + 15] */
+            _tile_zero(2);
+            for (int c = 0; c < dim / 32; ++c) {
+                _tile_loadd(0, q + c * 32, dim * 2);
+                _tile_loadd(1, kt + ((j / 16) * (dim / 32) + c) * 1024, 64);
+                _tile_dpbf16ps(2, 0, 1);
+            }
+            _tile_stored(2, scores + j, count * 4);
+        }
+        for (int r = 0; r < n; ++r) {
+            int64_t p = p0 + r, lo = s->window > 0 && p - s->window + 1 > 0 ? p - s->window + 1 : 0;
+            total[r] = row_weights(scores + r * count, count, first, lo, p, s->scale,
+                                   w + r * count);
+        }
+        for (int c0 = 0; c0 < dim / 16; c0 += 4) { /* o[r][16 c0 ..] by up to 4 tiles */
+            int tiles = dim / 16 - c0 < 4 ? dim / 16 - c0 : 4;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int64_t j = 0; j < count; j += KEY_BLOCK) {
+                _tile_loadd(0, w + j, count * 2);
+                const uint8_t *b = vt + ((j / KEY_BLOCK) * (dim / 16) + c0) * 1024;
+                _tile_loadd(1, b, 64);
+                _tile_dpbf16ps(4, 0, 1);
+                if (tiles > 1) {
+                    _tile_loadd(1, b + 1024, 64);
+                    _tile_dpbf16ps(5, 0, 1);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(1, b + 2048, 64);
+                    _tile_dpbf16ps(6, 0, 1);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(1, b + 3072, 64);
+                    _tile_dpbf16ps(7, 0, 1);
+                }
+            }
+            _tile_stored(4, o + c0 * 16, dim * 4);
+            if (tiles > 1) _tile_stored(5, o + (c0 + 1) * 16, dim * 4);
+            if (tiles > 2) _tile_stored(6, o + (c0 + 2) * 16, dim * 4);
+            if (tiles > 3) _tile_stored(7, o + (c0 + 3) * 16, dim * 4);
+        }
+        for (int r = 0; r < n; ++r) {
+            float inv = 1.0f / total[r], *to = out + (int64_t)(r0 + r) * s->heads * dim + h * dim;
+            for (int i = 0; i < dim; ++i) to[i] = o[r * dim + i] * inv;
+        }
+    }
+}
+
+/* A task: rows [r0, r0 + n) of one sequence (consecutive positions), key-value head g: its keys
+ * and values once, then blocks of QUERY_ROWS rows. */
+TILE_TARGET static void attention_task(const AttentionShape *s, const Rows *R, const float *qkv,
+                                       int64_t ld_qkv, const float *cos, const float *sin,
+                                       const float *keys, const float *values, float *out, int r0,
+                                       int n, int g, uint8_t *memory) {
+    int dim = s->dim;
+    int64_t p0 = position_of(R, r0), last = p0 + n - 1;
+    int64_t lo0 = s->window > 0 && p0 - s->window + 1 > 0 ? p0 - s->window + 1 : 0;
+    int64_t first = lo0 / KEY_BLOCK * KEY_BLOCK, count = (last / KEY_BLOCK + 1) * KEY_BLOCK - first;
+    uint8_t *kt = memory, *vt = kt + count * dim * 2;
+    const float *k = cache_of(R, (float *)keys, r0) + (int64_t)g * s->kv_stride;
+    const float *v = cache_of(R, (float *)values, r0) + (int64_t)g * s->kv_stride;
+    tile_keys_values(k, v, dim, first, count, last, kt, vt);
+    for (int b = 0; b < n; b += QUERY_ROWS)
+        row_block(s, R, qkv, ld_qkv, cos, sin, kt, vt, first, out, r0 + b,
+                  n - b < QUERY_ROWS ? n - b : QUERY_ROWS, g, vt + count * dim * 2);
+}
+
+int dl_attention_tiles(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                       const float *cos, const float *sin, const float *keys, const float *values,
+                       float *out) {
+    if (!dl_prompt_tiles_ready() || s->dim % 32) return -1;
+    int64_t top = score_length(R), count = (top / KEY_BLOCK + 2) * KEY_BLOCK;
+    size_t dim = (size_t)s->dim, bytes = (size_t)count * dim * 4 + QUERY_ROWS * dim * 2 +
+                                          (size_t)QUERY_ROWS * (size_t)count * 6 +
+                                          (QUERY_ROWS + 2) * dim * 4 + (size_t)(R->rows + 1) * 4;
+    uint8_t *memory = dl_scratch(SCRATCH_ATTENTION, bytes);
+    /* the tasks' first rows: runs of one sequence's consecutive positions, of up to `span` rows
+     * (every thread finds the same ones): up to 4 blocks share their keys and values while that
+     * leaves 4 tasks a thread */
+    int span = R->rows * s->kv_heads / (QUERY_ROWS * 4 * omp_get_num_threads());
+    span = QUERY_ROWS * (span < 1 ? 1 : span > 4 ? 4 : span);
+    int *starts = memory ? (int *)(memory + bytes - (size_t)(R->rows + 1) * 4) : NULL;
+    int tasks = 0, run_start = 0;
+    for (int r = 0; r < R->rows; ++r) {
+        int same = r > 0 && r - run_start < span &&
+                   (R->slots ? R->slots[r] == R->slots[r - 1] : 1) &&
+                   position_of(R, r) == position_of(R, r - 1) + 1;
+        if (!same) {
+            if (starts) starts[tasks] = r;
+            run_start = r, ++tasks;
+        }
+    }
+    if (starts) starts[tasks] = R->rows;
+    dl_tile_shapes();
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t task = 0; task < (int64_t)tasks * s->kv_heads; ++task) {
+        int64_t b = tasks - 1 - task / s->kv_heads; /* the last rows (most keys) first */
+        if (starts)
+            attention_task(s, R, qkv, ld_qkv, cos, sin, keys, values, out, starts[b],
+                           starts[b + 1] - starts[b], (int)(task % s->kv_heads), memory);
+    }
+    return memory ? 0 : -2;
+}
+#else
+int dl_attention_tiles(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                       const float *cos, const float *sin, const float *keys, const float *values,
+                       float *out) {
+    (void)s, (void)R, (void)qkv, (void)ld_qkv, (void)cos, (void)sin, (void)keys, (void)values;
+    (void)out;
+    return -1;
+}
+#endif
 
 /* One layer's attention for `rows` new positions start.. of one sequence from their fused
  * projection `qkv` ([rows][ld_qkv]: heads * dim query values, then kv_heads * dim keys, then as

@@ -1112,12 +1112,9 @@ void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activation
     }
 }
 
-/* Thread-local scratch `which` (0: a product's activations, 1 and 2: a prompt tile product's
- * weights and outputs) of at least `bytes` (grown as needed, kept for the next call: no
- * allocation per product); NULL when out of memory. */
-static void *scratch(int which, size_t bytes) {
-    static __thread void *buffer[3] = {NULL};
-    static __thread size_t capacity[3] = {0};
+void *dl_scratch(int which, size_t bytes) {
+    static __thread void *buffer[SCRATCH_BUFFERS] = {NULL};
+    static __thread size_t capacity[SCRATCH_BUFFERS] = {0};
     if (bytes > capacity[which]) {
         free(buffer[which]);
         capacity[which] = (bytes + 63) / 64 * 64;
@@ -1132,7 +1129,7 @@ static void *scratch(int which, size_t bytes) {
 int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float *x, int64_t ldx,
               int64_t M, float *y, int64_t ldy, int threads) {
     if (!dl_tile_bytes(type, N, K)) return -1;
-    void *memory = scratch(0, dl_activation_bytes(M, K));
+    void *memory = dl_scratch(SCRATCH_ACTIVATIONS, dl_activation_bytes(M, K));
     if (!memory) return -2;
     Activations a;
     dl_activations_at(&a, memory, M, K);
@@ -1242,6 +1239,13 @@ TILE_TARGET static inline __attribute__((always_inline)) void quad_product(
     }
 }
 
+/* A constant in memory: the compiler takes the tile configuration's stores into a local for dead
+ * (the instruction reads memory it does not see). */
+static const TileConfig SHAPES = {
+    .palette = 1, .columns = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+TILE_TARGET void dl_tile_shapes(void) { _tile_loadconfig(&SHAPES); }
+
 int dl_prompt_tiles_ready(void) {
     static int ready = -1;
     if (ready < 0) {
@@ -1267,14 +1271,10 @@ TILE_TARGET int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int wi
     Layout L;
     if (!dl_prompt_tiles_ready() || !layout_of(type, &L) || L.low == 16) return -1;
     int64_t stride = dl_tile_stride(type, K), padded = (M + 31) / 32 * 32;
-    uint8_t *B = scratch(1, (size_t)(K / GROUP * QUAD_GROUP_BYTES));
-    float *out = scratch(2, (size_t)(padded * 32) * sizeof(float));
+    uint8_t *B = dl_scratch(SCRATCH_TILE_WEIGHTS, (size_t)(K / GROUP * QUAD_GROUP_BYTES));
+    float *out = dl_scratch(SCRATCH_TILE_OUTPUTS, (size_t)(padded * 32) * sizeof(float));
     if (!B || !out) return -2;
-    /* the tile shapes, at every call: other code on this thread (a library's own tile kernels)
-     * may have loaded others, or released the tiles, since the last one */
-    TileConfig config = {.palette = 1};
-    for (int i = 0; i < 8; ++i) config.columns[i] = 64, config.rows[i] = 16;
-    _tile_loadconfig(&config);
+    dl_tile_shapes();
     int tiles = (width + TILE - 1) / TILE;
     switch (type) {
         QUAD_CASE(Q4_0) QUAD_CASE(Q4_1) QUAD_CASE(Q5_0) QUAD_CASE(Q5_1) QUAD_CASE(Q8_0)
@@ -1292,6 +1292,7 @@ TILE_TARGET void dl_bf16_rows(const float *x, int64_t ldx, int64_t first, int64_
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ldx + k)));
 }
 #else
+void dl_tile_shapes(void) {}
 int dl_prompt_tiles_ready(void) { return 0; }
 int dl_prompt_tiles(int type, const uint8_t *tile, int64_t K, int width, const uint16_t *xb,
                     int64_t M, float *y, int64_t ldy) {

@@ -56,6 +56,20 @@ int64_t dl_set_block_bytes(int64_t bytes);
  * Work-shared over tiles, `dl_row_block` rows at a time. */
 void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activations *a, int64_t M,
                      float *y, int64_t ldy);
+/* Thread-local scratch buffer `which` of at least `bytes` (grown as needed, kept for the next
+ * call: no allocation per call); NULL when out of memory. */
+enum {
+    SCRATCH_ACTIVATIONS,  /* a product's quantised activations */
+    SCRATCH_TILE_WEIGHTS, /* a prompt tile product's unpacked weights */
+    SCRATCH_TILE_OUTPUTS, /* and its outputs */
+    SCRATCH_ATTENTION,    /* a prompt's attention on tiles: keys, values, scores, weights */
+    SCRATCH_BUFFERS
+};
+void *dl_scratch(int which, size_t bytes);
+/* Loads the tile shapes the tile kernels use (8 tiles of 16 rows of 64 bytes) on this thread: at
+ * every call, since other code on the thread (a library's own tile kernels) may have loaded
+ * others, or released the tiles, since the last one. A no-op without tile kernels. */
+void dl_tile_shapes(void);
 /* Whether this build and CPU multiply a prompt's rows on bfloat16 tiles (AMX-BF16; the process
  * is granted the tiles' state at the first call). */
 int dl_prompt_tiles_ready(void);
@@ -107,6 +121,14 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
                        const float *cos, const float *sin, float *keys, float *values, float *out,
                        int written, float *scratch);
 int64_t dl_attention_scratch(const AttentionShape *s, const Rows *R);
+/* dl_attention_rows for a prompt's rows on bfloat16 tiles (dl_prompt_tiles_ready; head size a
+ * multiple of 32), the cache already written (dl_attention_write): keys, values, queries and
+ * the softmax weights rounded to bfloat16, summed in float by tile instructions. Each row's bits
+ * depend on its own query, keys and values alone. Work-shared over (up to 16 consecutive rows of
+ * one sequence, key-value head). Returns 0, -1 where it does not apply, -2 when out of memory. */
+int dl_attention_tiles(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
+                       const float *cos, const float *sin, const float *keys, const float *values,
+                       float *out);
 
 /* One row's RMS norm: out = x / rms(x) * (offset + weight) (out may be x). */
 void dl_rms_norm_row(const float *x, const float *weight, float eps, float offset, int dim,

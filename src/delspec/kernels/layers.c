@@ -307,8 +307,13 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
         dl_attention_write(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values);
         team_wait(me);
     }
-    dl_attention_rows(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values, att, written,
-                      own->attention);
+    int status = own->tiles ? dl_attention_tiles(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys,
+                                                 L->values, att)
+                            : -1;
+    if (status == -2) atomic_store(&me->team->failed, 1);
+    if (status == -1)
+        dl_attention_rows(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values, att, written,
+                          own->attention);
     team_wait(me);
     lap(profile, ATTENTION, &since);
     quantised(own, att, att_n, &a, rows, me);
@@ -335,7 +340,8 @@ static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
  * attention, output, MLP norm, gate/up, down, residual). With `waits`, waits[0] gets the
  * number of barrier waits of the call (all threads but the last to arrive, at each barrier)
  * and waits[1] how many of them slept (a partner thread was far behind: not running). With
- * `tiles` (long prompts' rows), the products run on bfloat16 tiles where dl_prompt_tiles_ready.
+ * `tiles` (long prompts' rows), the products run on bfloat16 tiles where dl_prompt_tiles_ready,
+ * and attention too where the head size is a multiple of 32 (the cache is then written first).
  * Returns 0, or -2 when out of memory. */
 int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
               const int64_t *slots, int first, int last, float *collect, int threads,
@@ -349,7 +355,8 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
     int contiguous = 1; /* one sequence's consecutive positions */
     for (int64_t r = 1; r < rows; ++r)
         contiguous &= slots[r] == slots[0] && positions[r] == positions[0] + r;
-    int written = rows >= WRITE_FIRST || !contiguous, split = rows >= SPLIT_ROWS;
+    tiles = tiles && dl_prompt_tiles_ready(); /* their attention reads the cache written */
+    int written = rows >= WRITE_FIRST || !contiguous || tiles, split = rows >= SPLIT_ROWS;
     size_t states = round64((size_t)(rows * d) * 4);
     size_t shared[] = {
         round64((size_t)(rows * m->layers[first].qkv.N) * 4), /* q/k/v */
@@ -357,7 +364,6 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
         round64((size_t)(rows * width) * 4),                  /* activation */
         states,                                               /* o / down output */
     };
-    tiles = tiles && dl_prompt_tiles_ready();
     /* a prompt's bfloat16 rows, and 32 more that the tile products read (their outputs unused) */
     size_t gates = round64((size_t)(2 * rows * 4 * TILE) * 4),
            quantised = tiles ? round64((size_t)((rows + 32) * widest) * 2)

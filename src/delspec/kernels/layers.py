@@ -180,9 +180,10 @@ class LayerKernels:
     ) -> Tensor:
         """Layers `[first, last)` on states `h` `[rows, hidden]`, row r at position
         `positions[r]` of cache slot `slots[r]`; each layer's output is appended to `collect` if
-        given. `tiles`: the products on bfloat16 tiles where the CPU has them (a long prompt's
-        rows: `Transformer.on_tiles`). `profile` (float64 `[len(STEPS)]`): seconds per step of
-        a layer (`STEPS`) are added to it. Threads: as many as `TEAM` says (torch's count unless
+        given. `tiles`: the products (and attention, for heads of 32 values or a multiple) on
+        bfloat16 tiles where the CPU has them (a long prompt's rows: `Transformer.on_tiles`).
+        `profile` (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are added to
+        it. Threads: as many as `TEAM` says (torch's count unless
         contended)."""
         out = h.contiguous().clone()
         rows = out.shape[0]
