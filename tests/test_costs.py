@@ -490,3 +490,30 @@ def test_a_new_vocabulary_keeps_an_unsettled_profile_unsettled(tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "settled": False}))
     pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     assert not pruned.settled and json.loads(path.read_text())["settled"] is False
+
+
+def test_draft_heads_are_priced_from_paired_differences() -> None:
+    """A level's price is the median over rounds of its pass less the same round's pass alone:
+    a busy stretch that slows both (here every fourth round, 3x) moves neither, where the
+    fastest of each timed apart would mix moments; a larger vocabulary never reads cheaper; the
+    rounds' two halves agree unless the machine's noise falls on one of them."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(16):
+        slow = 3.0 if i % 4 == 0 else 1.0
+        jitter = rng.uniform(0.0, 2e-5, 3)
+        samples.append(
+            [
+                slow * 4e-3 + jitter[0],
+                slow * 4e-3 + 5e-4 + jitter[1],
+                slow * 4e-3 + 4e-4 + jitter[2],
+            ]
+        )
+    prices, settled = costs.head_costs(samples)
+    assert settled
+    assert prices[0] == pytest.approx(5e-4, abs=2e-5)
+    assert prices[1] == prices[0]  # the larger vocabulary read cheaper: raised to the smaller's
+    for row in samples[8:]:  # the second half: the heads twice as dear
+        row[1] += 5e-4
+        row[2] += 5e-4
+    assert not costs.head_costs(samples)[1]

@@ -38,7 +38,9 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 15
+PROFILE_VERSION = 16
+# Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
+DRAFT_HEAD_ROUNDS = 16
 # Plain steps after a verification in which its cost may still show (`measure_in_decoding`), and
 # the share of what a round leaves that shows in the next one (`CostCheck`): on an Intel Xeon, a
 # verification of 19 rows slowed the four steps after it by about a step in all, most of it in
@@ -437,7 +439,7 @@ def measure_profile(
         ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
         seconds, settled = settled_seconds(ordered, repeats, model.device)
         own, lingering = measure_in_decoding(model, states, context)
-    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, repeats)
+    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer)
     span = max(far - context, 1)
     alone = [seconds["layer", context, k] for k in every]  # the layers without the head
     # k rows with the head as decoding meets them (in proportion to a plain step), no less
@@ -523,12 +525,13 @@ def measure_in_decoding(
 
 
 def measure_draft_heads(
-    exit_head: ExitHead, exit_layer: int, repeats: int = 3
+    exit_head: ExitHead, exit_layer: int, rounds: int = DRAFT_HEAD_ROUNDS
 ) -> tuple[list[float], bool]:
     """Seconds of one draft row through each of `exit_head`'s vocabulary levels as drafts run
     it, right after a pass over the layers (a head timed alone keeps its rows in the caches and
-    looks several times cheaper than it is between layers): a pass and the head, less a pass
-    alone. Also whether two takes agreed (`settled_seconds`)."""
+    looks several times cheaper than it is between layers): `rounds` rounds of a pass alone and
+    a pass with each level's head, in turns, after an untimed one, priced by `head_costs`. Also
+    whether the rounds' two halves agree."""
     model = exit_head.model
     layers, int8 = model.num_layers, exit_head.int8
     with model.scratch_cache(1), torch.inference_mode():
@@ -537,12 +540,39 @@ def measure_draft_heads(
         def run_layers() -> Tensor:
             return model.run_layers(one, 0, 0, layers, None, int8)
 
-        runs: dict[object, Callable[[], object]] = {"layers": run_layers}
-        for v in range(len(exit_head.vocabs)):
-            runs[v] = lambda v=v: exit_head(run_layers(), exit_layer, v)
-        seconds, settled = settled_seconds(runs, repeats, model.device)
-    alone = seconds["layers"]
-    return [max(seconds[v] - alone, 0.0) for v in range(len(exit_head.vocabs))], settled
+        levels = range(len(exit_head.vocabs))
+        runs = [run_layers, *(lambda v=v: exit_head(run_layers(), exit_layer, v) for v in levels)]
+        samples = []
+        for timed in range(rounds + 1):
+            times = []
+            for run in runs:
+                synchronize(model.device)
+                start = time.perf_counter()
+                run()
+                synchronize(model.device)
+                times.append(time.perf_counter() - start)
+            if timed:
+                samples.append(times)
+    return head_costs(samples)
+
+
+def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[list[float], bool]:
+    """Each vocabulary level's seconds from rounds of timings (`samples[i]`: a pass alone, then
+    a pass with each level's head): the median over the rounds of its pass less the same
+    round's pass alone (a busy moment of the machine falls on both: the fastest of each, taken
+    apart, priced SmolLM2's 16k-token draft head at 0.43 of the full head on one run and 0.66 on
+    the next on a busy Intel Xeon, and a run that looks too dear never drafts to correct it),
+    never below a smaller level's. Also whether the two halves of the rounds give medians within
+    `tolerance` of each other (False: a busy machine; the profile is taken again sooner)."""
+    added = np.array([[t - row[0] for t in row[1:]] for row in samples])
+
+    def medians(part: np.ndarray) -> np.ndarray:
+        return np.maximum.accumulate(np.maximum(np.median(part, 0), 0.0))
+
+    half = len(samples) // 2
+    first, second = medians(added[:half]), medians(added[half:])
+    agree = all(max(a, b) <= tolerance * min(a, b) for a, b in zip(first, second, strict=True))
+    return medians(added).tolist(), bool(agree)
 
 
 def cached_profile(
