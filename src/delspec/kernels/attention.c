@@ -421,16 +421,11 @@ TILE_TARGET static inline __m512i bf16_pairs_of(const float *x) {
 
 /* exp_approx of 16 values at once (the same operations, so the same bits). */
 TILE_TARGET static inline __m512 exp16_approx(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E));
     __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, whole), p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 f = _mm512_sub_ps(t, whole), p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_POLY[i]));
     __m512i bits = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));

@@ -139,16 +139,20 @@ void dl_gated_row(const float *gate, const float *up, int width, int gelu, float
 
 /* e^x for x in [-87, 88] (clamped outside): 2^(x log2 e) split into integer and fraction, the
  * fraction by a polynomial (relative error ~2e-7), with fused multiply-adds. */
+#define EXP_LOW -87.0f
+#define EXP_HIGH 88.0f
+#define LOG2_E 1.44269504088896341f
+/* The polynomial's coefficients, the highest power's first (each vector width uses them in this
+ * order: the same bits). */
+static const float EXP_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                  9.618437357674640e-3f, 5.550332471162809e-2f,
+                                  2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+
 static inline float exp_approx(float x) {
-    float t = fminf(fmaxf(x, -87.0f), 88.0f) * 1.44269504088896341f;
+    float t = fminf(fmaxf(x, EXP_LOW), EXP_HIGH) * LOG2_E;
     float whole = floorf(t), f = t - whole;
-    float p = 1.535336188319500e-4f;
-    p = fmaf(p, f, 1.339887440266574e-3f);
-    p = fmaf(p, f, 9.618437357674640e-3f);
-    p = fmaf(p, f, 5.550332471162809e-2f);
-    p = fmaf(p, f, 2.402264791363012e-1f);
-    p = fmaf(p, f, 6.931472028550421e-1f);
-    p = fmaf(p, f, 1.0f);
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 7; ++i) p = fmaf(p, f, EXP_POLY[i]);
     union {
         int32_t i;
         float f;
@@ -159,16 +163,11 @@ static inline float exp_approx(float x) {
 #ifdef __AVX2__
 /* exp_approx of eight values at once (the same operations, so the same bits). */
 static inline __m256 exp8_approx(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOW)), _mm256_set1_ps(EXP_HIGH));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(LOG2_E));
     __m256 whole = _mm256_floor_ps(t), f = _mm256_sub_ps(t, whole);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_POLY[i]));
     __m256i bits = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
