@@ -1239,10 +1239,11 @@ TILE_TARGET static inline __attribute__((always_inline)) void quad_product(
     }
 }
 
-/* A constant in memory: the compiler takes the tile configuration's stores into a local for dead
- * (the instruction reads memory it does not see). */
-static const TileConfig SHAPES = {
-    .palette = 1, .columns = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+/* A constant in memory: GCC dropped the stores into a local configuration (it does not see that
+ * ldtilecfg reads them) and the instruction faulted on what was left there. */
+static const TileConfig SHAPES = {.palette = 1,
+                                  .columns = {64, 64, 64, 64, 64, 64, 64, 64},
+                                  .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
 
 TILE_TARGET void dl_tile_shapes(void) { _tile_loadconfig(&SHAPES); }
 
