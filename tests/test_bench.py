@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,7 @@ from delspec.bench.backends import (
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
 from delspec.bench.report import _heading
-from delspec.bench.tasks import TASKS
+from delspec.bench.tasks import TASKS, load_task
 from delspec.cli import main
 from delspec.errors import ConfigError
 from delspec.gguf_file import GGUFFile
@@ -432,6 +433,33 @@ def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):
     assert "repeats must be >= 1" in capsys.readouterr().err
 
 
+def test_chat_sends_each_prompt_through_the_chat_template(tiny_dir, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    args = ("--tasks", "mtbench", "--num-samples", "1", "--methods", "ar,del", "--chat")
+    assert bench(tiny_dir, tmp_path / "out", *args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["settings"]["chat"] is True
+    [question] = load_task("mtbench", 1, 42)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question.text}], tokenize=False, add_generation_prompt=True
+    )
+    expected = len(tokenizer.encode(text, add_special_tokens=False))
+    assert expected > len(tokenizer.encode(question.text))
+    assert [r["prompt_tokens"] for r in results["records"]] == [expected, expected]
+    assert all(r["lossless"] for r in results["records"])
+    assert "as chat messages" in (tmp_path / "out" / "table.md").read_text()
+
+    tokenizer.chat_template = None  # a model without one: a clear error, no results
+    plain = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, plain)
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    capsys.readouterr()
+    assert bench(plain, tmp_path / "bad", *args) == 2
+    assert "has no chat template; pass a plain prompt" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_methods_on_another_weight_format_are_checked_against_ar_on_it(tiny_dir, tmp_path, capsys):
     methods = "ar:weights=int8,static:E=2,d=2,weights=int8"
     args = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", methods)
@@ -460,7 +488,7 @@ def test_methods_on_another_weight_format_are_checked_against_ar_on_it(tiny_dir,
 def test_table_heading_names_the_weight_format(tmp_path, weights, named):
     model = {"name": "m", "weights": weights, "dtype": "float32", "device": "cpu", "layers": 30}
     environment = {"date": "d", "torch": "t", "transformers": "t", "threads": 2, "cpu": "c"}
-    settings = {"prompts": 1, "num_samples": 1, "seed": 0, "max_new_tokens": 8}
+    settings = {"prompts": 1, "num_samples": 1, "seed": 0, "max_new_tokens": 8, "chat": False}
     result = SimpleNamespace(model=model, environment=environment, settings=settings, ok=True)
     heading = _heading(result)
     assert f"· {named} on cpu · 30 layers" in heading[2]

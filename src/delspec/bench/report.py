@@ -82,7 +82,8 @@ def _heading(result: BenchResult) -> list[str]:
         f"{env['threads']} thread(s) · {env['cpu']} · {_weights(result.model)} on "
         f"{result.model['device']} · {result.model['layers']} layers{_bandwidth(env)}",
         "",
-        f"{settings['prompts']} prompts ({_origin(settings)}), greedy, at most "
+        f"{settings['prompts']} prompts ({_origin(settings)})"
+        f"{', as chat messages' if settings['chat'] else ''}, greedy, at most "
         f"{settings['max_new_tokens']} new tokens; methods interleaved per prompt.",
         "",
     ]

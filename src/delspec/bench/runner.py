@@ -28,6 +28,7 @@ from delspec.bench.prompt_sets import PromptSet
 from delspec.bench.sweeps import SWEEP_OPTIONS, rotated, sweep, sweep_grid
 from delspec.bench.tasks import Prompt
 from delspec.errors import ConfigError
+from delspec.generate import encode_prompt
 from delspec.loading import LoadedModel
 
 WARMUP_TOKENS = 8
@@ -70,8 +71,11 @@ def run_bench(
     progress: bool = True,
     command: str | None = None,
     repeats: int = 1,
+    chat: bool = False,
 ) -> BenchResult:
-    """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`.
+    """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`; with `chat`,
+    each prompt is one user message through the model's chat template (as an instruct model is
+    used), for every method alike.
 
     `command` is the invocation recorded with the results (default: this process's argv).
     A method whose backend raises `BackendUnavailable` (its library is not installed) is left
@@ -82,7 +86,7 @@ def run_bench(
     _check_settings(methods, max_new_tokens, repeats)
     reference_of = references(methods, lm.model.weights)
     environment = run_environment(lm, command)
-    run = _BenchRun(lm, prompt_set, max_new_tokens, repeats)
+    run = _BenchRun(lm, prompt_set, max_new_tokens, repeats, chat)
     grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not run.calibration.get(task) for task in run.tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
@@ -110,6 +114,7 @@ def run_bench(
         settings={
             **prompt_set.origin,
             "tasks": run.tasks,
+            "chat": chat,
             "max_new_tokens": max_new_tokens,
             "prompts": len(run.encoded),
             "repeats": repeats,
@@ -142,13 +147,18 @@ class _BenchRun:
     methods left out (`skipped`, with why) and the progress bar."""
 
     def __init__(
-        self, lm: LoadedModel, prompt_set: PromptSet, max_new_tokens: int, repeats: int
+        self,
+        lm: LoadedModel,
+        prompt_set: PromptSet,
+        max_new_tokens: int,
+        repeats: int,
+        chat: bool,
     ) -> None:
         self.lm, self.max_new_tokens, self.repeats = lm, max_new_tokens, repeats
         self.tasks = prompt_set.tasks
-        self.encoded = {p: lm.tokenizer.encode(p.text) for p in prompt_set.prompts}
+        self.encoded = {p: encode_prompt(lm, p.text, chat) for p in prompt_set.prompts}
         self.calibration = {
-            task: [lm.tokenizer.encode(p.text) for p in group]
+            task: [encode_prompt(lm, p.text, chat) for p in group]
             for task, group in prompt_set.calibration.items()
         }
         self.usage: dict[str, memory.MethodMemory] = {}

@@ -334,6 +334,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="run every method N times per prompt (rotated) and keep the median time",
     )
     bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
+    bench.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template",
+    )
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     bench.set_defaults(func=cmd_bench)
 
@@ -357,6 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         command=shlex.join(["delspec", *args.argv]),
         repeats=args.repeats,
+        chat=args.chat,
     )
     paths = write_report(result, args.out)
     print("\n".join(summary_lines(result)))
