@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
+import logging
 import time
 
 import numpy as np
 import pytest
 import torch
 from tiny_models import tiny_model
+from tqdm import tqdm
 
 from delspec import costs
 from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
@@ -253,6 +256,18 @@ def test_a_profile_is_timed_from_the_most_rows_down_and_takes_rows_as_decoding_m
     assert measured.lingering == pytest.approx([0.15 * g for g in lingering])
 
 
+@pytest.mark.parametrize(("budget_s", "timed"), [(0.0, costs.IN_DECODING_MIN_CYCLES), (1e9, 5)])
+def test_cycles_in_decoding_are_as_many_as_the_budget_holds(budget_s, timed):
+    """At the untimed cycle's pace, as many timed cycles as `budget_s` holds, no fewer than the
+    least and no more than asked; the progress bar counts every cycle and the draft heads."""
+    model = tiny_model(seed=0)
+    bar = tqdm(total=1, file=io.StringIO())
+    with model.scratch_cache(64), torch.inference_mode():
+        states = model.embed(torch.arange(4))
+        costs.measure_in_decoding(model, states, 16, cycles=5, budget_s=budget_s, bar=bar)
+    assert (bar.n, bar.total) == (timed + 1, timed + 2)
+
+
 def test_rows_in_decoding_are_a_plain_step_apart():
     """On a real (tiny) model: one row is the plain step itself, more rows cost no less than
     fewer, and what a round leaves to the steps after is none for one row, never negative."""
@@ -276,8 +291,8 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
     assert cached_profile(ExitHead(model), 2, 4, tmp_path) == full
 
 
-def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(CostCheck, "said", False)  # said once per process
+def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="delspec.costs")
     layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
     cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
     check = CostCheck(cost, window=16)
@@ -292,7 +307,8 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     assert cost.profile.layer == pytest.approx([t * 2.3 for t in layer])
     assert cost.profile.head == pytest.approx([t * 2.3 for t in head])
     assert cost.profile.draft_head == pytest.approx([0.25 * 2.3])
-    assert "disagreed with measured rounds (x2.3); corrected" in capsys.readouterr().err
+    assert "disagreed with measured plain rounds (x2.3); corrected" in caplog.text
+    assert capsys.readouterr().err == ""  # logged, never printed into a streamed answer
     # drafting rounds 2x faster than predicted: the timings of drafting from a layer alone
     # (verifying rows is the rows' check's; scaled with the drafts, 2 rows halved would cost
     # less than 1)
@@ -304,7 +320,7 @@ def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsy
     assert cost.profile.draft_layer == pytest.approx(2.3 * 0.5)
     assert cost.profile.draft_head == pytest.approx([0.25 * 2.3 * 0.5])
     assert check.corrections == pytest.approx([2.3, 0.5])
-    assert capsys.readouterr().err == ""  # said once
+    assert "disagreed with measured drafting rounds (x0.5)" in caplog.text
 
 
 def test_context_drafts_alone_are_left_to_the_rows_check_once_plain_steps_agree():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import statistics
@@ -21,11 +22,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from delspec.cache import write_atomically
 from delspec.engine import ExitHead, Round
@@ -36,6 +38,7 @@ from delspec.timing import settled_seconds, synchronize
 Array = np.ndarray
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
+LOG = logging.getLogger(__name__)
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
 PROFILE_VERSION = 16
@@ -47,6 +50,12 @@ DRAFT_HEAD_ROUNDS = 16
 # the first.
 LINGER_STEPS = 4
 LINGER_SHARE = 0.5
+# Timed cycles of `measure_in_decoding`: at most, at least, and how many seconds decide between
+# (at the untimed first cycle's pace). SmolLM2's cycle takes ~0.5-1 s on a 2-core Xeon, a
+# 1 GB Q4_K_M file's ~7 s (eight cycles: ~1 minute of a first run), an 8B's about 5x that.
+IN_DECODING_CYCLES = 8
+IN_DECODING_MIN_CYCLES = 3
+IN_DECODING_BUDGET_S = 24.0
 # How many standard errors a gap between k rows' and plain steps' mean log ratio must exceed
 # before the profile's k rows are corrected (`CostCheck.observe_rows`)
 NOISE_ERRORS = 3.0
@@ -404,6 +413,16 @@ def measure_profile(
     context = min(context, far)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (far + max_tokens,), generator=gen).to(model.device)
+    # parts: the layer and head timings, each cycle in decoding (and its untimed one), the
+    # draft heads; on a terminal only
+    bar = tqdm(
+        total=IN_DECODING_CYCLES + 3,
+        desc="measuring decode costs",
+        unit="part",
+        file=sys.stderr,
+        leave=False,
+        disable=None,
+    )
     with model.scratch_cache(far + max_tokens + 1), torch.inference_mode():
         if far:
             model.run_layers(model.embed(ids[:far]), 0, 0, layers)
@@ -438,8 +457,11 @@ def measure_profile(
         # every pass with it
         ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
         seconds, settled = settled_seconds(ordered, repeats, model.device)
-        own, lingering = measure_in_decoding(model, states, context)
+        bar.update()
+        own, lingering = measure_in_decoding(model, states, context, bar=bar)
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer)
+    bar.update()
+    bar.close()
     span = max(far - context, 1)
     alone = [seconds["layer", context, k] for k in every]  # the layers without the head
     # k rows with the head as decoding meets them (in proportion to a plain step), no less
@@ -473,7 +495,12 @@ def measure_profile(
 
 
 def measure_in_decoding(
-    model: Transformer, states: Tensor, context: int, cycles: int = 8
+    model: Transformer,
+    states: Tensor,
+    context: int,
+    cycles: int = IN_DECODING_CYCLES,
+    budget_s: float = IN_DECODING_BUDGET_S,
+    bar: tqdm | None = None,
 ) -> tuple[list[float], list[float]]:
     """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
     decoding meets them, in plain steps: their own time, and what they add to the
@@ -481,10 +508,12 @@ def measure_in_decoding(
     steps; each round's block follows a block whose round is a plain step, and what the round
     adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
     them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
-    2 rows read 1.12 plain steps where decoding took 1.25-1.3). Medians over
-    `cycles` cycles of shuffled turns, after an untimed one, at a sample of row counts (every
-    count up to 6, then about every 30% more; in between by interpolation). `states`: the
-    rows' inputs, run at positions `context`.. of the model's cache."""
+    2 rows read 1.12 plain steps where decoding took 1.25-1.3). Medians over cycles of
+    shuffled turns, after an untimed one, at a sample of row counts (every count up to 6, then
+    about every 30% more; in between by interpolation): up to `cycles` timed cycles, as many as
+    `budget_s` holds at the untimed cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a
+    large model's first run waits for fewer). `states`: the rows' inputs, run at positions
+    `context`.. of the model's cache. `bar` advances a cycle at a time."""
     layers, most = model.num_layers, len(states)
     counts = sorted({*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int)})
     counts = [k for k in counts if k <= most]
@@ -506,7 +535,8 @@ def measure_in_decoding(
     added: dict[int, list[float]] = {k: [] for k in counts}
     order = list(counts)
     shuffle = random.Random(0).shuffle
-    for cycle in range(cycles + 1):
+    cycle, start = 0, time.perf_counter()
+    while cycle <= cycles:
         shuffle(order)
         for k in order:
             _, reference = block(1)
@@ -514,6 +544,14 @@ def measure_in_decoding(
             if cycle:
                 own[k].append(seconds)
                 added[k].append(steps - reference)
+        if not cycle:  # the untimed cycle: how many timed ones the budget holds
+            pace = time.perf_counter() - start
+            cycles = min(cycles, max(IN_DECODING_MIN_CYCLES, int(budget_s / pace)))
+            if bar is not None:
+                bar.total = bar.n + cycles + 2  # these, and the draft heads after them
+        if bar is not None:
+            bar.update()
+        cycle += 1
     plain = statistics.median(own[1])
     own_k = [statistics.median(own[k]) / plain for k in counts]
     added_k = [max(statistics.median(added[k]), 0.0) / plain for k in counts]
@@ -696,8 +734,8 @@ class CostCheck:
     not stored: how far drafting rounds are off follows what the process drafted, and stored,
     it prices the next process's plain steps too (on SmolLM2, one process whose drafting rounds
     ran 1.44x the profile before any plain steps were compared stored x1.44 for every timing,
-    and the processes after it chose differently from the same prompts). The first correction
-    from plain steps (or extreme one) in a process prints one line to stderr.
+    and the processes after it chose differently from the same prompts). Each correction is
+    logged (logger `delspec.costs`, level INFO: not printed into a streamed answer).
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
@@ -738,8 +776,6 @@ class CostCheck:
         # of the weights' squares
         self.row_logs: dict[int, list[float]] = {}
         self.carried = 0.0  # seconds the rounds so far left to the next ones (`lingering_of`)
-
-    said: ClassVar[bool] = False  # the first correction in this process was reported
 
     def observe_round(self, record: Round) -> float | None:
         """`observe` a round the engine ran, predicted by the cost's grid for its plan: context
@@ -829,12 +865,11 @@ class CostCheck:
             self.ratios[True].clear()  # their predictions changed too
         self.corrections.append(factor)
         extreme = factor > self.extreme or factor < 1 / self.extreme
-        if (extreme or not drafted) and not CostCheck.said:
-            print(
-                f"delspec: cost profile disagreed with measured rounds (x{factor:.3g}); corrected",
-                file=sys.stderr,
-            )
-            CostCheck.said = True
+        LOG.info(
+            "cost profile disagreed with measured %s rounds (x%.3g); corrected",
+            "drafting" if drafted else "plain",
+            factor,
+        )
         if extreme and profile.path:
             mark_stale(profile.path)
             profile.settled = False
