@@ -256,6 +256,36 @@ def test_a_profile_is_timed_from_the_most_rows_down_and_takes_rows_as_decoding_m
     assert measured.lingering == pytest.approx([0.15 * g for g in lingering])
 
 
+def test_a_profile_times_a_sample_of_row_counts_and_interpolates_between(monkeypatch):
+    """Layers and head are timed at `row_counts` (and the far slope's counts) only; the other
+    row counts are interpolated between them."""
+    model = tiny_model(seed=0)
+    layers, timed = model.num_layers, []
+
+    def timings(runs, rounds, device=None):
+        if not isinstance(next(iter(runs)), tuple):  # the draft heads' runs
+            return dict.fromkeys(runs, 0.001), True
+        timed.extend(key for key in runs if key != "step")
+        return {key: seconds(key) for key in runs}, True
+
+    def seconds(key):  # a step 0.15 s, a draft pass 0.1 s, k rows 0.1 k (layers), 0.02 k (head)
+        if key == "step" or key[0] == "drafted":
+            return 0.15 if key == "step" else 0.1
+        return {"layer": 0.1, "head": 0.02}[key[0]] * key[-1]
+
+    monkeypatch.setattr(costs, "settled_seconds", timings)
+    in_steps = [float(k) for k in range(1, 13)]  # k rows cost k plain steps in decoding
+    monkeypatch.setattr(costs, "measure_in_decoding", lambda *a, **k: (in_steps, [0.0] * 12))
+    measured = costs.measure_profile(ExitHead(model), 2, 12, context=8, far=16)
+    near = {key[-1] for key in timed if key[:2] == ("layer", 8)}
+    heads = {key[-1] for key in timed if key[0] == "head"}
+    assert near == heads == set(costs.row_counts(12)) | {1, 6, 12} and 11 not in near
+    assert len(measured.layer) == len(measured.head) == 12
+    # k rows: 0.15 k in all, 0.1 k of it the layers alone, at 11 rows as at the timed ones
+    assert measured.layer == pytest.approx([0.1 * k / layers for k in range(1, 13)])
+    assert measured.head == pytest.approx([0.05 * k for k in range(1, 13)])
+
+
 @pytest.mark.parametrize(("budget_s", "timed"), [(0.0, costs.IN_DECODING_MIN_CYCLES), (1e9, 5)])
 def test_cycles_in_decoding_are_as_many_as_the_budget_holds(budget_s, timed):
     """At the untimed cycle's pace, as many timed cycles as `budget_s` holds, no fewer than the

@@ -400,13 +400,13 @@ def measure_profile(
     far: int = 512,
     repeats: int = 3,
 ) -> CostProfile:
-    """Time the primitives a round is made of, for 1..max_tokens new tokens, after `context`
-    positions and (for the layers' slopes: at 1, half and all of max_tokens rows, in between
-    by interpolation) after `far`; drafts through `exit_head` as exit layer
-    `exit_layer`. Each primitive's fastest of `repeats` rounds in which they all take turns,
-    taken again until two takes agree (`settled_seconds`); k rows through every layer and the
-    head (a verification), and what they add to the steps after them, as decoding meets them,
-    in proportion to a plain step (`measure_in_decoding`)."""
+    """Time the primitives a round is made of, for 1..max_tokens new tokens (at the row
+    counts of `row_counts`, in between by interpolation), after `context` positions and (for
+    the layers' slopes: at 1, half and all of max_tokens rows) after `far`; drafts through
+    `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in
+    which they all take turns, taken again until two takes agree (`settled_seconds`); k rows
+    through every layer and the head (a verification), and what they add to the steps after
+    them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`)."""
     model = exit_head.model
     cfg, int8, layers = model.config, exit_head.int8, model.num_layers
     far = max(min(cfg.max_position - max_tokens - 1, far), 0)
@@ -433,14 +433,15 @@ def measure_profile(
         rows_of: dict[object, int] = {}  # each run's rows
         every = range(1, max_tokens + 1)
         sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
-        for at, counts in ((context, every), (far, sampled)):
+        timed = sorted({*row_counts(max_tokens), *sampled})
+        for at, counts in ((context, timed), (far, sampled)):
             for k in counts:
                 h = states[:k]
                 runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
                 rows_of["layer", at, k] = k
             runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
             rows_of["drafted", at] = 1
-        for k in every:
+        for k in timed:
             h = states[:k]
             runs["head", k] = lambda h=h: model.head(h)
             rows_of["head", k] = k
@@ -463,7 +464,9 @@ def measure_profile(
     bar.update()
     bar.close()
     span = max(far - context, 1)
-    alone = [seconds["layer", context, k] for k in every]  # the layers without the head
+    # the layers without the head, and the head timed alone, at every row count
+    alone = np.interp(every, timed, [seconds["layer", context, k] for k in timed]).tolist()
+    head_alone = np.interp(every, timed, [seconds["head", k] for k in timed]).tolist()
     # k rows with the head as decoding meets them (in proportion to a plain step), no less
     # than the layers alone nor than fewer rows: a round that verifies more never reads as
     # cheaper
@@ -472,10 +475,10 @@ def measure_profile(
     # the head's share of k rows: what they took beyond the layers alone (the head as a step
     # meets it, right after the layers' weights; timed alone, after another run, one row's
     # head read 1.5x two rows' on an Intel Xeon), at least half of the head timed alone
-    head = [max(rows[k - 1] - alone[k - 1], 0.5 * seconds["head", k]) for k in every]
+    head = [max(rows[k - 1] - alone[k - 1], 0.5 * head_alone[k - 1]) for k in every]
     near = [(rows[k - 1] - head[k - 1]) / layers for k in every]  # a layer's share of k rows
     # per layer, what `far` positions add to the same rows after `context` (layers alone)
-    measured = [(seconds["layer", far, k] - seconds["layer", context, k]) / layers for k in sampled]
+    measured = [(seconds["layer", far, k] - alone[k - 1]) / layers for k in sampled]
     deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
     drafted = seconds["drafted", context] / layers
     return CostProfile(
@@ -494,6 +497,13 @@ def measure_profile(
     )
 
 
+def row_counts(most: int) -> list[int]:
+    """The row counts at which verifications are timed, up to `most`: every count up to 6,
+    then about every 30% more (a verification's cost grows smoothly with its rows there)."""
+    counts = {*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int).tolist()}
+    return sorted(k for k in counts if k <= most)
+
+
 def measure_in_decoding(
     model: Transformer,
     states: Tensor,
@@ -509,14 +519,13 @@ def measure_in_decoding(
     adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
     them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
     2 rows read 1.12 plain steps where decoding took 1.25-1.3). Medians over cycles of
-    shuffled turns, after an untimed one, at a sample of row counts (every count up to 6, then
-    about every 30% more; in between by interpolation): up to `cycles` timed cycles, as many as
+    shuffled turns, after an untimed one, at the row counts of `row_counts` (in between by
+    interpolation): up to `cycles` timed cycles, as many as
     `budget_s` holds at the untimed cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a
     large model's first run waits for fewer). `states`: the rows' inputs, run at positions
     `context`.. of the model's cache. `bar` advances a cycle at a time."""
     layers, most = model.num_layers, len(states)
-    counts = sorted({*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int)})
-    counts = [k for k in counts if k <= most]
+    counts = row_counts(most)
 
     def run(rows: int) -> float:
         start = time.perf_counter()
