@@ -331,6 +331,21 @@ def test_requests_choose_their_decoding_over_the_servers(smollm2: LoadedModel) -
                 assert stats["mean_exit_layer"] == exit_layer, delspec
 
 
+@pytest.mark.parametrize(("strategy", "profiles"), [(DEFAULT_STRATEGY, 1), ("ar", 0)])
+def test_decoding_costs_are_measured_as_the_server_starts(
+    smollm2: LoadedModel, tmp_path, monkeypatch, strategy: str, profiles: int
+) -> None:
+    """A server whose decoding prices its rounds measures their costs before it answers (in
+    the first request they held it, and every one queued behind it, for as long); one that
+    does not measures nothing."""
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    app = create_app(tiny_lm(smollm2), config=DecodeConfig(strategy), max_batch=1)
+    assert len(list(tmp_path.glob("costs/profile-*.json"))) == profiles
+    with running(app) as url:  # answered (200) from that profile, not measured again
+        answer(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+    assert len(list(tmp_path.glob("costs/profile-*.json"))) == profiles
+
+
 def test_unknown_routes_get_openai_errors(tiny_url: str) -> None:
     assert "/v1/nothing" in assert_error(httpx.get(tiny_url + "/v1/nothing"), 404)["message"]
     assert_error(httpx.get(tiny_url + TEXT), 405)
