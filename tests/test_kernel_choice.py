@@ -8,7 +8,8 @@ from tiny_models import tiny_model
 
 from delspec import kernel_choice
 from delspec.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
-from delspec.kernels.layers import prompt_tiles_ready
+from delspec.kernels.build import library
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.modules import Linear
 
@@ -87,11 +88,34 @@ def test_prompts_take_tiles_from_where_they_pay_at_every_longer_length(slower, e
     def timer(name, run):
         run()
         timed.append(name)
-        rows, tiles = int(name.split()[0]), name.endswith("True")
+        rows, tiles = int(name.split()[0]), name.endswith("tiles")
         return 1.0 if tiles == (rows in slower) else 0.5
 
     assert kernel_choice.measure_prompt_tiles(model, timer) == expected
     assert len(timed) == 2 * len(kernel_choice.PROMPT_ROWS)
+
+
+@pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
+@pytest.mark.parametrize(
+    ("slower", "expected"), [({8}, 16), (set(), 8), ({8, 32}, 64), ({64}, 128), ({16, 64}, 128)]
+)
+def test_calls_split_their_rows_from_where_it_pays_at_every_larger_count(slower, expected):
+    """`measure_split_rows` times the layers on each of SPLIT_COUNTS rows with their per-row
+    steps split between the threads and not (really running them: here the timer only says
+    which was faster); where splitting never paid at the most rows, from twice those rows.
+    Without tiles measured, calls on tiles keep the default."""
+    model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
+    timed = []
+
+    def timer(name, run):
+        run()
+        timed.append(name)
+        rows, split = int(name.split()[0]), name.endswith("split")
+        return 1.0 if split == (rows in slower) else 0.5
+
+    chosen = kernel_choice.measure_split_rows(model, timer)
+    assert chosen == {False: expected, True: SPLIT_ROWS[True]}
+    assert len(timed) == 2 * len(kernel_choice.SPLIT_COUNTS)
 
 
 def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
@@ -106,6 +130,7 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel_choice, "measure_choices", measure)
     monkeypatch.setattr(kernel_choice, "measure_prompt_tiles", lambda m: 64)
+    monkeypatch.setattr(kernel_choice, "measure_split_rows", lambda m: {False: 16, True: 128})
     choose_kernels(model)
     other = tiny_model(seed=1, dtype=torch.float32)
     choose_kernels(other)  # same shapes: read from the cache
@@ -113,5 +138,6 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     assert list(tmp_path.glob("kernels/choice-*.json"))
     assert model.lm_head.kernels == measured
     assert other.prompt_tiles_from == 64 and other.on_tiles(64) and not other.on_tiles(63)
+    assert other.split_rows_from == {False: 16, True: 128}
     choose_kernels(tiny_model(seed=0, dtype=torch.float32, num_layers=3))  # another model
     assert len(calls) == 2

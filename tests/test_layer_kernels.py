@@ -244,6 +244,11 @@ def test_compiled_layer_range_equals_one_operation_at_a_time(
                 library().dl_set_block_bytes(previous)
             assert torch.equal(blocked, full)
             assert torch.equal(model.cache, runs["compiled"][2])
+            compiled, rows = model.compiled_layers(), len(ids)
+            for split in (True, False):  # the per-row steps split between the threads or not
+                where = (list(range(rows)), [0] * rows, 0, model.num_layers, None)
+                assert torch.equal(compiled.run(model.embed(ids), *where, split=split), full)
+                assert torch.equal(model.cache, runs["compiled"][2])
     finally:
         torch.set_num_threads(count)
 

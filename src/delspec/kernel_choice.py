@@ -5,7 +5,8 @@ format) and every row bucket (`kernels.products.ROW_BUCKETS`: the one-token step
 prefill), the candidate kernels (`Linear.candidates`) are timed over all the model's layers of
 that shape, one product each, so that the weights stream from memory as in a real step. The
 fastest is kept. So is the prompt length from which the compiled layers run a prompt on
-bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them. Choices are cached
+bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, and the row counts from which
+they split a call's per-row steps between the threads (`measure_split_rows`). Choices are cached
 (`~/.cache/delspec/kernels`), keyed by the CPU, torch, the thread count, the model shape, dtype
 and weight format, and measured again after a week, as the cost profile is; the cost profile,
 measured with the chosen kernels, then sees their times.
@@ -25,15 +26,18 @@ import torch
 from delspec.cache import cache_dir, write_atomically
 from delspec.costs import PROFILE_MAX_AGE_S
 from delspec.kernels.build import build_key, cpu_flags, cpu_name
-from delspec.kernels.layers import prompt_tiles_ready
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.model import Transformer
 from delspec.modules import Linear
 from delspec.timing import settled_seconds
 
-CHOICE_VERSION = 2
+CHOICE_VERSION = 3
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
 PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
+# row counts at which calls without tiles (steps of several rows, short prompts) are timed with
+# their per-row steps split between the threads and without
+SPLIT_COUNTS = (8, 16, 32, 64)
 PROMPT_LAYERS = 2  # ...through this many layers (a prompt's rows are compute-bound)
 # seconds(candidate name, run) -> the time of `run()`; injectable for tests.
 Timer = Callable[[str, Callable[[], object]], float]
@@ -89,8 +93,45 @@ def measure_prompt_tiles(model: Transformer, timer: Timer | None = None) -> int 
     """The fewest rows (of `PROMPT_ROWS`) from which a prompt runs the first `PROMPT_LAYERS`
     layers faster on bfloat16 tiles than on the 8-bit products, there and at every larger count
     measured; None where tiles never paid or cannot run (no AMX-BF16, no compiled layers)."""
-    counts = [rows for rows in PROMPT_ROWS if rows < model.config.max_position]
-    if not counts or not prompt_tiles_ready():
+    if not prompt_tiles_ready():
+        return None
+    variants = {"tiles": {"tiles": True}, "8-bit": {"tiles": False}}
+    times = _time_calls(model, PROMPT_ROWS, variants, timer)
+    return None if times is None else _paying(times, "tiles", "8-bit")
+
+
+def measure_split_rows(model: Transformer, timer: Timer | None = None) -> dict[bool, int]:
+    """Per kind of call, without tiles and on them, the fewest rows (of `SPLIT_COUNTS`, and for
+    tiles of the counts from `prompt_tiles_from` on) from which the first `PROMPT_LAYERS` layers
+    run faster with their per-row steps split between the threads than with every thread doing
+    them all, there and at every larger count measured; where that never held, twice the most
+    rows measured (the steps a thread repeats grow with the rows, its barriers do not). Kinds
+    that cannot be measured keep `SPLIT_ROWS`. The bits are the same either way."""
+    chosen = dict(SPLIT_ROWS)
+    tiles_from = model.prompt_tiles_from
+    kinds = {False: SPLIT_COUNTS}
+    if tiles_from is not None:
+        kinds[True] = tuple(rows for rows in PROMPT_ROWS if rows >= tiles_from)
+    for tiles, counts in kinds.items():
+        variants = {s: {"tiles": tiles, "split": s == "split"} for s in ("split", "each")}
+        times = _time_calls(model, counts, variants, timer)
+        if times is not None:
+            paying = _paying(times, "split", "each")
+            chosen[tiles] = paying if paying is not None else 2 * max(counts)
+    return chosen
+
+
+def _time_calls(
+    model: Transformer,
+    counts: tuple[int, ...],
+    variants: dict[str, dict[str, bool]],
+    timer: Timer | None,
+) -> dict[tuple[int, str], float] | None:
+    """Seconds of a call of the first `PROMPT_LAYERS` compiled layers on each of `counts` rows
+    (those the model's positions hold) at position 0, per variant (keyword arguments of
+    `LayerKernels.run`); None without compiled layers or counts."""
+    counts = tuple(rows for rows in counts if rows < model.config.max_position)
+    if not counts:
         return None
     with model.scratch_cache(max(counts)), torch.inference_mode():
         compiled = model.compiled_layers()
@@ -101,15 +142,21 @@ def measure_prompt_tiles(model: Transformer, timer: Timer | None = None) -> int 
             h = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
             layers = min(PROMPT_LAYERS, model.num_layers)
             where = (list(range(rows)), [0] * rows, 0, layers, None)
-            for tiles in (False, True):
-                runs[rows, tiles] = lambda h=h, w=where, t=tiles: compiled.run(h, *w, tiles=t)
+            for name, options in variants.items():
+                runs[rows, name] = lambda h=h, w=where, o=options: compiled.run(h, *w, **o)
         if timer is None:
             times, _ = settled_seconds(runs, ROUNDS)
         else:
-            times = {key: timer(f"{key[0]} rows, tiles={key[1]}", run) for key, run in runs.items()}
+            times = {key: timer(f"{key[0]} rows, {key[1]}", run) for key, run in runs.items()}
+    return times
+
+
+def _paying(times: dict[tuple[int, str], float], better: str, worse: str) -> int | None:
+    """The fewest rows from which variant `better` took less time than `worse`, there and at
+    every larger count timed; None where it did not at the largest."""
     paying = None
-    for rows in reversed(counts):
-        if times[rows, True] >= times[rows, False]:
+    for rows in sorted({rows for rows, _ in times}, reverse=True):
+        if times[rows, better] >= times[rows, worse]:
             break
         paying = rows
     return paying
@@ -145,12 +192,16 @@ def choose_kernels(model: Transformer) -> None:
             "measured_at": time.time(),
             "cpu": cpu_name(),
             "choices": measure_choices(model),
-            "prompt_tiles_from": measure_prompt_tiles(model),
         }
+        stored["prompt_tiles_from"] = model.prompt_tiles_from = measure_prompt_tiles(model)
+        split = measure_split_rows(model)  # for the prompts that take tiles too
+        stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
         text = json.dumps(stored, indent=1)
         write_atomically(path, lambda out: out.write_text(text))
     apply_choices(model, stored["choices"])
     model.prompt_tiles_from = stored["prompt_tiles_from"]
+    split = stored["split_rows_from"]
+    model.split_rows_from = {False: split["plain"], True: split["tiles"]}
 
 
 def _choice_key(model: Transformer) -> str:

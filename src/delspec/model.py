@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
 from delspec.kernels.blocks import BlockWeight
-from delspec.kernels.layers import LayerKernels
+from delspec.kernels.layers import SPLIT_ROWS, LayerKernels
 from delspec.kernels.products import (
     Int8Weight,
     narrow_product,
@@ -59,6 +59,9 @@ class Transformer(nn.Module):
         self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
         # prompts of at least this many rows run on bfloat16 tiles (kernel_choice), None: never
         self.prompt_tiles_from: int | None = None
+        # per tiles or not, compiled calls of at least this many rows split their per-row steps
+        # between the threads (kernel_choice)
+        self.split_rows_from = dict(SPLIT_ROWS)
         # (what it was bound to, the layers as one compiled call or None): see compiled_layers
         self._layer_binding: tuple[tuple[int, ...], LayerKernels | None] | None = None
 

@@ -209,7 +209,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_rms_norm.restype = None
     lib.dl_gated.argtypes = [p, i32, i32, i32, p]
     lib.dl_gated.restype = None
-    lib.dl_layers.argtypes = [p, p, i64, p, p, i32, i32, p, i32, i32, p, p]
+    lib.dl_layers.argtypes = [p, p, i64, p, p, i32, i32, p, i32, i32, i32, p, p]
     lib.dl_layers.restype = i32
     lib.dl_top_logsumexp.argtypes = [p, i64, i32, i64, p, p, p]
     lib.dl_top_logsumexp.restype = None

@@ -38,10 +38,6 @@
 #define TILE 8
 #define MAX_PARTS 3
 #define WRITE_FIRST 5 /* from this many rows, the cache is written before attention */
-/* From this many rows (a prompt's), the threads split the per-row steps (norms, quantising the
- * products' inputs, residuals) between them in shared buffers, with a barrier before each
- * product; below it, each thread does them for every row in its own copy (no barrier). */
-#define SPLIT_ROWS 64
 
 /* A linear weight: up to 3 parts of consecutive output rows (each a multiple of 8), each tiled
  * in one GGUF type. */
@@ -342,10 +338,13 @@ static size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
  * and waits[1] how many of them slept (a partner thread was far behind: not running). With
  * `tiles` (long prompts' rows), the products run on bfloat16 tiles where dl_prompt_tiles_ready,
  * and attention too where the head size is a multiple of 32 (the cache is then written first).
+ * With `split`, the threads split the per-row steps (norms, quantising the products' inputs,
+ * residuals) between them in shared buffers, with a barrier before each product; without it,
+ * each thread does them for every row in its own copy (no barrier). Neither changes a bit.
  * Returns 0, or -2 when out of memory. */
 int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
               const int64_t *slots, int first, int last, float *collect, int threads,
-              int tiles, double *profile, int64_t *waits) {
+              int tiles, int split, double *profile, int64_t *waits) {
     if (first >= last) return 0;
     int d = m->hidden, width = m->intermediate, team = threads > 1 ? threads : 1;
     int64_t att_n = (int64_t)m->heads * m->dim, widest = width > att_n ? width : att_n;
@@ -356,7 +355,7 @@ int dl_layers(const Model *m, float *h, int64_t rows, const int64_t *positions,
     for (int64_t r = 1; r < rows; ++r)
         contiguous &= slots[r] == slots[0] && positions[r] == positions[0] + r;
     tiles = tiles && dl_prompt_tiles_ready(); /* their attention reads the cache written */
-    int written = rows >= WRITE_FIRST || !contiguous || tiles, split = rows >= SPLIT_ROWS;
+    int written = rows >= WRITE_FIRST || !contiguous || tiles;
     size_t states = round64((size_t)(rows * d) * 4);
     size_t shared[] = {
         round64((size_t)(rows * m->layers[first].qkv.N) * 4), /* q/k/v */

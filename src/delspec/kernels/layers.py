@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 3
+# Calls of this many rows or more split their per-row steps between the threads, with and
+# without tiles, until measured on the machine (`kernel_choice.measure_split_rows`).
+SPLIT_ROWS = {False: 64, True: 64}
 # The steps of a layer that `LayerKernels.run` can time (`layers.c`), in order.
 STEPS = (
     "norm",
@@ -177,16 +180,20 @@ class LayerKernels:
         collect: list[Tensor] | None,
         profile: Tensor | None = None,
         tiles: bool = False,
+        split: bool | None = None,
     ) -> Tensor:
         """Layers `[first, last)` on states `h` `[rows, hidden]`, row r at position
         `positions[r]` of cache slot `slots[r]`; each layer's output is appended to `collect` if
         given. `tiles`: the products (and attention, for heads of 32 values or a multiple) on
         bfloat16 tiles where the CPU has them (a long prompt's rows: `Transformer.on_tiles`).
-        `profile` (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are added to
-        it. Threads: as many as `TEAM` says (torch's count unless
-        contended)."""
+        `split`: whether the threads split the per-row steps between them (the same bits
+        either way; default: from the model's `split_rows_from[tiles]` rows on). `profile`
+        (float64 `[len(STEPS)]`): seconds per step of a layer (`STEPS`) are added to it.
+        Threads: as many as `TEAM` says (torch's count unless contended)."""
         out = h.contiguous().clone()
         rows = out.shape[0]
+        if split is None:
+            split = rows >= self.model.split_rows_from[tiles]
         where = torch.tensor([positions, slots], dtype=torch.int64)
         states = torch.empty(last - first, rows, out.shape[1]) if collect is not None else None
         shape = (rows, first, last)
@@ -203,6 +210,7 @@ class LayerKernels:
             None if states is None else states.data_ptr(),
             threads,
             int(tiles),
+            int(split),
             None if profile is None else profile.data_ptr(),
             self._waits.data_ptr(),
         )
