@@ -74,6 +74,19 @@ def test_block_weights_keep_their_row_exact_kernel_at_every_size():
     assert {kernel for rows in choices.values() for kernel in rows.values()} == {"blocks"}
 
 
+def faster_but_at(variant: str, slower: set[int], timed: list[str]) -> kernel_choice.Timer:
+    """A timer that runs each call (noting its name in `timed`) and says `variant` took less
+    time than the other way at every row count but those in `slower`."""
+
+    def timer(name: str, run) -> float:
+        run()
+        timed.append(name)
+        rows, chosen = int(name.split()[0]), name.endswith(variant)
+        return 1.0 if chosen == (rows in slower) else 0.5
+
+    return timer
+
+
 @pytest.mark.skipif(not prompt_tiles_ready(), reason="no AMX-BF16 tiles on this CPU")
 @pytest.mark.parametrize(
     ("slower", "expected"),
@@ -83,14 +96,8 @@ def test_prompts_take_tiles_from_where_they_pay_at_every_longer_length(slower, e
     """`measure_prompt_tiles` times every layer on each of PROMPT_ROWS rows both ways (really
     running them: here the timer only says which was faster)."""
     model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
-    timed = []
-
-    def timer(name, run):
-        run()
-        timed.append(name)
-        rows, tiles = int(name.split()[0]), name.endswith("tiles")
-        return 1.0 if tiles == (rows in slower) else 0.5
-
+    timed: list[str] = []
+    timer = faster_but_at("tiles", slower, timed)
     assert kernel_choice.measure_prompt_tiles(model, timer) == expected
     assert len(timed) == 2 * len(kernel_choice.PROMPT_ROWS)
 
@@ -105,15 +112,8 @@ def test_calls_split_their_rows_from_where_it_pays_at_every_larger_count(slower,
     which was faster); where splitting never paid at the most rows, from twice those rows.
     Without tiles measured, calls on tiles keep the default."""
     model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
-    timed = []
-
-    def timer(name, run):
-        run()
-        timed.append(name)
-        rows, split = int(name.split()[0]), name.endswith("split")
-        return 1.0 if split == (rows in slower) else 0.5
-
-    chosen = kernel_choice.measure_split_rows(model, timer)
+    timed: list[str] = []
+    chosen = kernel_choice.measure_split_rows(model, faster_but_at("split", slower, timed))
     assert chosen == {False: expected, True: SPLIT_ROWS[True]}
     assert len(timed) == 2 * len(kernel_choice.SPLIT_COUNTS)
 
