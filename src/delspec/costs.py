@@ -520,10 +520,10 @@ def measure_in_decoding(
     them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
     2 rows read 1.12 plain steps where decoding took 1.25-1.3). Medians over cycles of
     shuffled turns, after an untimed one, at the row counts of `row_counts` (in between by
-    interpolation): up to `cycles` timed cycles, as many as
-    `budget_s` holds at the untimed cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a
-    large model's first run waits for fewer). `states`: the rows' inputs, run at positions
-    `context`.. of the model's cache. `bar` advances a cycle at a time."""
+    interpolation): up to `cycles` timed cycles, as many as `budget_s` holds at the untimed
+    cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits
+    for fewer). `states`: the rows' inputs, run at positions `context`.. of the model's cache.
+    `bar` advances a cycle at a time."""
     layers, most = model.num_layers, len(states)
     counts = row_counts(most)
 
