@@ -70,6 +70,17 @@ def test_one_row_in_scalar_arithmetic_agrees_with_the_arrays():
     assert scalar.rates(3) == (0.0, 0.0)
 
 
+def test_several_rounds_added_to_a_row_at_once_decay_as_one_by_one():
+    rng = np.random.default_rng(2)
+    together, one_by_one = ExitStatistics(2, omega=0.9), ExitStatistics(2, omega=0.9)
+    together.sums[:] = one_by_one.sums[:] = rng.uniform(0, 3, (6, 2))
+    rounds = [rng.uniform(0, 2, 6).tolist() for _ in range(5)]
+    for values in rounds:
+        one_by_one.add_to(1, values)
+    assert together.add_to(1, *rounds) == pytest.approx(one_by_one.sums[:, 1].tolist())
+    assert together.sums == pytest.approx(one_by_one.sums)  # row 0 untouched in both
+
+
 def test_position_sums_are_what_update_adds_for_one_row():
     rng = np.random.default_rng(1)
     scalar, arrays = ExitStatistics(3, omega=0.8), ExitStatistics(3, omega=0.8)

@@ -11,11 +11,13 @@ import torch
 from test_costs import profile
 from tiny_models import tiny_model
 
+from delspec.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.costs import MeasuredCost
 from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.engine import ExitHead, Round
-from delspec.policies import make_policy
+from delspec.policies import fast_dynamic_exit, make_policy
+from delspec.policies.fast_dynamic_exit import PLAIN_BATCH, FastDynamicExit
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
@@ -229,14 +231,15 @@ def test_a_final_layer_draft_is_the_target_exactly_where_its_vocabulary_holds_it
     assert not int8.final_layer_is_full_head  # int8 drafts differ from the full head's
 
 
-def _final_layer_policy():
+def _final_layer_policy(context_vocab: bool = False, omega: float = 1.0):
     """A measured-cost DEL on a 4-layer model past its warm-up, drafting vocabularies of 8
-    tokens and the full one, statistics undecayed and without a prior."""
+    tokens and the full one (and the sequence's tokens, with `context_vocab`, after a prompt
+    of token 0), statistics decayed by `omega` and without a prior."""
     model = tiny_model(seed=2, num_layers=4)
-    head = DraftHead(model, vocab=[torch.arange(8), None], context_vocab=False)
-    policy = make_policy("del", 4, cost="measured", omega=1.0, prior=0, shadow_budget=0.01)
+    head = DraftHead(model, vocab=[torch.arange(8), None], context_vocab=context_vocab)
+    policy = make_policy("del", 4, cost="measured", omega=omega, prior=0, shadow_budget=0.01)
     policy.cost = MeasuredCost(profile([1.0] * 20, [0.5] * 20, [0.001, 0.002]), 4)
-    policy.start(head)
+    policy.start(head.for_prompt([0]))
     policy.in_warmup = False
     return policy
 
@@ -276,7 +279,9 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
     policy._choose = lambda: choices.append(len(choices)) or choose()
 
     def plain_round(target: int) -> None:
+        """A plain round, its updates applied at once (not held back for later rounds')."""
         policy.observe(Round(0, 0, [], [], 0, [target], torch.tensor([target])))
+        policy.finish()
 
     plain_round(3)  # alpha 0 -> 1 at both levels: chosen again
     final = [policy.chosen_alpha[row] for row in policy.final_rows]
@@ -287,6 +292,47 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
     plain_round(20)  # outside the small level: its alpha falls to 6/7
     final = [policy.chosen_alpha[row] for row in policy.final_rows]
     assert len(choices) == 2 and final == pytest.approx([6 / 7, 1.0])
+
+
+def test_plain_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(
+    monkeypatch, tmp_path
+):
+    """A plain round's updates wait for `PLAIN_BATCH` of them (or `finish`, or a round that is
+    not held back); applied, they leave every statistic where applying each round at once
+    would have: the final layer's counts (which target each level held then: the sequence's
+    tokens join the draft vocabularies as it runs), the context proposals' scores, the
+    realized plain steps, the cost check's samples."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 12, 40).tolist()  # some in the small level (0..7), some not
+    proposals = {i: ContextProposal(tokens[i + 1 : i + 3], 2) for i in range(0, 40, 3)}
+
+    def run(batch: int, rounds: int) -> FastDynamicExit:
+        monkeypatch.setattr(fast_dynamic_exit, "PLAIN_BATCH", batch)
+        policy = _final_layer_policy(context_vocab=True, omega=0.9)
+        policy.cost.profile.path = str(tmp_path / "none.json")  # as if measured: checked
+        for i in range(rounds):
+            policy.context_score.proposed(proposals.get(i, NO_PROPOSAL))
+            record = Round(i, 0, [], [], 0, [tokens[i]], torch.tensor([tokens[i]]))
+            record.verify_s = 0.01
+            policy.exit_head.admit(record.tokens)  # as the engine commits them
+            policy.observe(record)
+        return policy
+
+    def counted(policy: FastDynamicExit) -> float:
+        return float(policy.stats.evidence()[policy.final_rows].sum())
+
+    assert counted(run(PLAIN_BATCH, PLAIN_BATCH - 1)) == 0  # all held back so far
+    assert counted(run(PLAIN_BATCH, PLAIN_BATCH)) > 0  # a full batch is applied
+    held, at_once = run(PLAIN_BATCH, 37), run(1, 37)
+    assert counted(held) < counted(at_once)  # 5 rounds still wait
+    held.finish()
+    assert held.stats.sums == pytest.approx(at_once.stats.sums)
+    assert held.context_score.stats.sums == pytest.approx(at_once.context_score.stats.sums)
+    assert held.context_score.stats.sums.sum() > 0  # proposals were scored
+    for kind in ("plain", "layer"):
+        tokens_, _, rounds_ = held.realized.sums[kind]
+        assert (tokens_, rounds_) == pytest.approx(at_once.realized.sums[kind][::2])
+    assert list(held.cost.check.ratios[False]) == list(at_once.cost.check.ratios[False])
 
 
 def test_drafts_from_the_final_layer_run_to_the_optimum_whatever_their_confidence():
@@ -432,10 +478,12 @@ def test_policy_work_is_noted_apart_for_rounds_with_layer_drafts():
     policy.in_warmup = False
     cost = policy.cost
     policy.observe(Round(10, 0, [], [], 0, [7], torch.tensor([7])))
-    assert cost.overhead > 0 and cost.layer_overhead == 0
-    plain = cost.overhead
+    assert cost.overhead == 0  # a plain round's updates wait for the next round's...
     policy.observe(Round(11, 8, [3, 4], [0.9, 0.9], 2, [3, 4, 5], torch.tensor([3, 4, 5])))
-    assert cost.layer_overhead > 0 and cost.overhead == plain
+    assert cost.overhead > 0 and cost.layer_overhead > 0  # ...which takes them first
+    plain = cost.overhead
+    policy.observe(Round(14, 8, [3, 4], [0.9, 0.9], 2, [3, 4, 5], torch.tensor([3, 4, 5])))
+    assert cost.overhead == plain
 
 
 def test_the_confidence_stop_holds_only_while_drafts_under_it_miss():

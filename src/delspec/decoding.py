@@ -102,6 +102,7 @@ class Decoding:
         self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
         self.totals = _Totals(model.num_layers, len(self.prompt))
         self.rounds: list[dict[str, Any]] | None = [] if trace else None
+        policy.traced = trace
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.top_logprobs = logprobs or 0
         self.finish_reason: str | None = None  # set once it stops early
@@ -212,7 +213,11 @@ class Decoding:
         self.finish_reason = "stop"
 
     def finish(self) -> Decoded:
-        """What the sequence decoded, with its statistics."""
+        """What the sequence decoded, with its statistics (its policy `finish`ed, in the decode
+        time)."""
+        t0 = time.perf_counter()
+        self.policy.finish()
+        self.decode_s += time.perf_counter() - t0
         new = self.engine.tokens[len(self.prompt) :][: self.max_new_tokens]
         stats = self.totals.finish(len(new), self.prefill_s, self.decode_s)
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]

@@ -89,17 +89,18 @@ class ExitStatistics:
             rows = np.asarray(rows)
             self.sums[:, rows] = self.omega * self.sums[:, rows] + sums
 
-    def add_to(self, row: int, values: Sequence[float]) -> list[float]:
-        """`add` of one round's six sums (`position_sums`) for the one candidate `row`, in
-        scalar arithmetic: a policy updating a row or two every round would pay numpy's fixed
-        cost per operation several times over (a good share of its work in a decode step of a
-        small model). Returns the row's six sums after it."""
+    def add_to(self, row: int, *rounds: Sequence[float]) -> list[float]:
+        """`add` of rounds' six sums (`position_sums`, one list per round, in order: each round
+        decays what came before it) for the one candidate `row`, in scalar arithmetic: a policy
+        updating a row or two every round would pay numpy's fixed cost per operation several
+        times over (a good share of its work in a decode step of a small model). Returns the
+        row's six sums after them."""
         omega = self.omega
-        old = self.sums[:, row].tolist()
-        self.sums[:, row] = new = [
-            omega * kept + add for kept, add in zip(old, values, strict=True)
-        ]
-        return new
+        sums = self.sums[:, row].tolist()
+        for values in rounds:
+            sums = [omega * kept + add for kept, add in zip(sums, values, strict=True)]
+        self.sums[:, row] = sums
+        return sums
 
     def rates(
         self, row: int, prior: float = 0.0, toward: tuple[float, float | None] = (0.0, None)

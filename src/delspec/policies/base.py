@@ -29,9 +29,10 @@ class Policy:
     """Decides, per round, the exit layer and when to stop drafting.
 
     The generation loop calls `start` once per prompt, then per round `plan`, the engine calls
-    `keep_drafting` after every draft token (except the last allowed one), and `observe` gets the
-    finished round. `collect_hidden` asks the engine for every layer's states of each round;
-    `warmup_window` asks for that many prompt positions as teacher-forced context in round 0;
+    `keep_drafting` after every draft token (except the last allowed one), `observe` gets the
+    finished round, and `finish` is called when the sequence ends. `collect_hidden` asks the
+    engine for every layer's states of each round; `warmup_window` asks for that many prompt
+    positions as teacher-forced context in round 0;
     `context_ngrams` (the n-gram orders of a `ContextIndex`; None: none) asks for a
     `ContextProposal` of up to `context_limit` tokens in each `plan`, and, after each
     exit-layer draft token, for one found after the drafts so far (`follow`).
@@ -39,6 +40,7 @@ class Policy:
     """
 
     name = "policy"
+    traced = False  # whether the rounds' `extra` is read (a trace is kept); set by the caller
     collect_hidden = False
     warmup_window = 0
     context_ngrams: tuple[int, int] | None = None
@@ -65,7 +67,11 @@ class Policy:
         return []
 
     def observe(self, record: Round) -> None:
-        """Update statistics from a finished round; may annotate `record.extra` for traces."""
+        """Update statistics from a finished round (now, or with later rounds': then `finish`
+        applies what waits); annotates `record.extra` where `traced`."""
+
+    def finish(self) -> None:
+        """The sequence ended: apply any updates `observe` held back."""
 
     def check_exit_layer(self, exit_layer: int | None) -> int:
         """`exit_layer` (None: a quarter of the layers), checked against the model's depth."""

@@ -112,7 +112,9 @@ class DynamicExit(Policy):
         self._annotate(record, time.perf_counter() - start, len(rows))
 
     def _annotate(self, record: Round, shadow_s: float, scored_layers: int) -> None:
-        """The policy's values in the round's trace entry."""
+        """The policy's values in the round's trace entry (where one is kept: `traced`)."""
+        if not self.traced:
+            return
         record.extra.update(
             tau=round(self.tau_exit, 4),
             alpha=self.alpha_trace,
