@@ -27,6 +27,7 @@ from delspec.bench.backends import (
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
 from delspec.bench.report import _heading
+from delspec.bench.runner import MAX_REPEATS_FACTOR
 from delspec.bench.tasks import TASKS, load_task
 from delspec.cli import main
 from delspec.errors import ConfigError
@@ -429,8 +430,25 @@ def test_repeats_time_each_prompt_several_times(tiny_dir, tmp_path, capsys):
     # still one record per method and prompt, lossless, with the median time
     assert [r["method"] for r in results["records"]] == ["ar", "static:E=2,d=2"]
     assert all(r["lossless"] and r["wall_s"] > 0 for r in results["records"])
+    assert all(r["timings"] == 3 for r in results["records"])
     assert bench(tiny_dir, tmp_path / "bad", *args, "--repeats", "0") == 2
     assert "repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_short_runs_are_timed_until_they_add_up_to_min_seconds(tiny_dir, tmp_path, capsys):
+    """`--min-seconds` adds rounds (every method again, rotated) past `--repeats` until each
+    method's timings of a prompt add up to it, up to `MAX_REPEATS_FACTOR` times as many."""
+    args = ("--tasks", "gsm8k", "--num-samples", "1", "--methods", "static:E=2,d=2")
+    for seconds, timings in (("0", 2), ("1e6", 2 * MAX_REPEATS_FACTOR)):
+        out = tmp_path / seconds
+        assert bench(tiny_dir, out, *args, "--repeats", "2", "--min-seconds", seconds) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["settings"]["min_seconds"] == float(seconds)
+        [ar, static] = results["records"]
+        assert ar["timings"] == static["timings"] == timings
+        assert ar["lossless"] and static["lossless"]
+    assert bench(tiny_dir, tmp_path / "bad", *args, "--min-seconds", "-1") == 2
+    assert "min_seconds must be a number >= 0" in capsys.readouterr().err
 
 
 def test_chat_sends_each_prompt_through_the_chat_template(tiny_dir, tmp_path, capsys):

@@ -1,8 +1,11 @@
 """Running a benchmark: every method on every prompt, interleaved, checked against `ar`.
 
 For each prompt every method runs `repeats` times, in an order rotated by one place per prompt
-and per repeat, so that a drift of the machine's speed falls on all methods alike; a record's
-time is the median over its repeats (its output and statistics are the first run's). Each
+and per repeat, so that a drift of the machine's speed falls on all methods alike; with
+`min_seconds`, more such rounds follow until every method's timings on the prompt add up to that
+much (at most `MAX_REPEATS_FACTOR` times `repeats`): a reply of a few tokens takes a tenth of a
+second, where three timings tell the host's moments apart more than the methods. A record's
+time is the median over its timings (its output and statistics are the first run's). Each
 method first runs one short untimed generation (warm-up). `static-sweep` methods first time
 every (E, d) of their grid on each task's calibration prompts (interleaved the same way) and
 keep the fastest per task. A method whose library is not installed is skipped, with a message.
@@ -32,6 +35,7 @@ from delspec.generate import encode_prompt
 from delspec.loading import LoadedModel
 
 WARMUP_TOKENS = 8
+MAX_REPEATS_FACTOR = 4  # with `min_seconds`, at most this many times `repeats` timings a prompt
 
 
 @dataclass
@@ -71,6 +75,7 @@ def run_bench(
     progress: bool = True,
     command: str | None = None,
     repeats: int = 1,
+    min_seconds: float = 0.0,
     chat: bool = False,
 ) -> BenchResult:
     """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`; with `chat`,
@@ -83,10 +88,10 @@ def run_bench(
 
     Raises `ConfigError` for a method option its backend rejects (before any timed run).
     """
-    _check_settings(methods, max_new_tokens, repeats)
+    _check_settings(methods, max_new_tokens, repeats, min_seconds)
     reference_of = references(methods, lm.model.weights)
     environment = run_environment(lm, command)
-    run = _BenchRun(lm, prompt_set, max_new_tokens, repeats, chat)
+    run = _BenchRun(lm, prompt_set, max_new_tokens, repeats, min_seconds, chat)
     grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not run.calibration.get(task) for task in run.tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
@@ -118,6 +123,7 @@ def run_bench(
             "max_new_tokens": max_new_tokens,
             "prompts": len(run.encoded),
             "repeats": repeats,
+            "min_seconds": min_seconds,
             "calibration_held_out": prompt_set.held_out,
             "warmup_tokens": WARMUP_TOKENS,
             "skipped": run.skipped,
@@ -132,13 +138,17 @@ def run_bench(
     )
 
 
-def _check_settings(methods: Sequence[Method], max_new_tokens: int, repeats: int) -> None:
+def _check_settings(
+    methods: Sequence[Method], max_new_tokens: int, repeats: int, min_seconds: float
+) -> None:
     if not methods or methods[0].label != REFERENCE:
         raise ConfigError(f"the first method must be {REFERENCE!r}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if not min_seconds >= 0 or min_seconds == float("inf"):
+        raise ConfigError(f"min_seconds must be a number >= 0, got {min_seconds}")
 
 
 class _BenchRun:
@@ -152,9 +162,11 @@ class _BenchRun:
         prompt_set: PromptSet,
         max_new_tokens: int,
         repeats: int,
+        min_seconds: float,
         chat: bool,
     ) -> None:
         self.lm, self.max_new_tokens, self.repeats = lm, max_new_tokens, repeats
+        self.min_seconds = min_seconds
         self.tasks = prompt_set.tasks
         self.encoded = {p: encode_prompt(lm, p.text, chat) for p in prompt_set.prompts}
         self.calibration = {
@@ -239,14 +251,20 @@ class _BenchRun:
         generators: Mapping[str, Mapping[str, Generate]],
         reference_of: Mapping[str, str],
     ) -> tuple[list[dict[str, Any]], dict[str, tuple[Prompt, Output]]]:
-        """The timed runs, interleaved: per prompt, every method `repeats` times in rotated
-        order. Returns the records and, per DEL-like method, its longest trace."""
+        """The timed runs, interleaved: per prompt, every method once per round in rotated
+        order, `repeats` rounds and more while a method's timings add up to less than
+        `min_seconds` (see the module docstring). Returns the records and, per DEL-like
+        method, its longest trace."""
         records: list[dict[str, Any]] = []
         traced: dict[str, tuple[Prompt, Output]] = {}  # per DEL-like method, its longest trace
         for index, (prompt, ids) in enumerate(self.encoded.items()):
             firsts: dict[str, tuple[Output, int]] = {}
             times: dict[str, list[float]] = {m.label: [] for m in methods}
-            for repeat in range(self.repeats):
+            for repeat in range(self.repeats * MAX_REPEATS_FACTOR):
+                if repeat >= self.repeats:
+                    if min(sum(t) for t in times.values()) >= self.min_seconds:
+                        break
+                    self.bar.total += len(methods)
                 for turn, method in enumerate(rotated(methods, index + repeat)):
                     self.bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
                     generate = generators[method.label][prompt.task]
@@ -265,7 +283,8 @@ class _BenchRun:
                     best = traced.get(label)
                     if best is None or len(output.trace) > len(best[1].trace or ()):
                         traced[label] = (prompt, output)
-            records += _records(self.lm, prompt, len(ids), methods, outputs, reference_of)
+            timings = len(times[methods[0].label])
+            records += _records(self.lm, prompt, len(ids), methods, outputs, reference_of, timings)
         return records, traced
 
 
@@ -295,9 +314,11 @@ def _records(
     methods: Sequence[Method],
     outputs: Mapping[str, tuple[Output, float, int]],
     reference_of: Mapping[str, str],
+    timings: int,
 ) -> list[dict[str, Any]]:
-    """One record per method for `prompt`, in method order: its speed against `ar`'s, its output
-    compared with that of `ar` on the same weights (`reference_of`)."""
+    """One record per method for `prompt`, in method order: its speed against `ar`'s (median of
+    `timings` each), its output compared with that of `ar` on the same weights
+    (`reference_of`)."""
     reference, reference_s, _ = outputs[REFERENCE]
     reference_speed = len(reference.token_ids) / reference_s
     records = []
@@ -316,6 +337,7 @@ def _records(
                 "prompt_tokens": prompt_tokens,
                 "new_tokens": len(output.token_ids),
                 "wall_s": round(seconds, 6),
+                "timings": timings,
                 "tokens_per_s": round(speed, 3),
                 "speedup": round(speed / reference_speed, 4),
                 # the prompt's forward pass and the decoding after it, apart (first run)

@@ -333,6 +333,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="run every method N times per prompt (rotated) and keep the median time",
     )
+    bench.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="time each prompt again (a few times at most) until every method's runs on it "
+        "add up to this many seconds: steadier medians for short replies",
+    )
     bench.add_argument("--seed", type=int, default=42, help="seed of the task prompts' order")
     bench.add_argument(
         "--chat",
@@ -362,6 +369,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         command=shlex.join(["delspec", *args.argv]),
         repeats=args.repeats,
+        min_seconds=args.min_seconds,
         chat=args.chat,
     )
     paths = write_report(result, args.out)
