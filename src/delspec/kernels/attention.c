@@ -389,12 +389,7 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) &&                 \
-    defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
-#define ATTENTION_TILES 1 /* gguf_blocks.c's tile kernels are built too */
-#endif
-
-#ifdef ATTENTION_TILES
+#ifdef BF16_TILES
 /* ---- a prompt's attention on bfloat16 tiles (AMX) ------------------------------------------
  * A task: up to QUERY_ROWS consecutive rows of one sequence, one key-value head, all its query
  * heads. Its keys and values (from the first KEY_BLOCK-aligned block any of its rows sees, to its
@@ -404,7 +399,6 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
  * is the key's position modulo 16. A row's bits then depend on its own query, keys and values
  * alone, not on the rows of its task: keys a row does not see have weight zero and add nothing,
  * wherever its task's blocks begin and end. */
-#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 #define QUERY_ROWS 16
 #define KEY_BLOCK 32
 
@@ -449,18 +443,13 @@ TILE_TARGET static void tile_keys_values(const float *k, const float *v, int dim
             _mm512_i32scatter_epi32(tile, rows, pairs, 4);
         }
     }
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
     for (int64_t j = 0; j < count; j += 2)
         for (int c = 0; c < dim / 16; ++c) {
             int64_t p = first + j;
             __m512 v0 = p <= last ? _mm512_loadu_ps(v + p * dim + c * 16) : _mm512_setzero_ps();
             __m512 v1 = p + 1 <= last ? _mm512_loadu_ps(v + (p + 1) * dim + c * 16)
                                       : _mm512_setzero_ps();
-            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-            uint8_t *tile = vt + ((j / KEY_BLOCK) * (dim / 16) + c) * 1024 + (j % KEY_BLOCK) / 2 * 64;
-            _mm512_storeu_si512(tile, _mm512_permutexvar_epi16(order, both));
+            bf16_pairs(v0, v1, vt + ((j / KEY_BLOCK) * (dim / 16) + c) * 1024 + (j % KEY_BLOCK) / 2 * 64);
         }
 }
 

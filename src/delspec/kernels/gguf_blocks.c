@@ -814,9 +814,6 @@ static void pair_product(int type, const uint8_t *tile, int64_t stride, const Ac
     switch (type) { EVERY_TYPE(PAIR_CASE) }
 }
 
-#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
-#define PROMPT_TILES 1 /* bfloat16 tile products (AMX) for a prompt's rows */
-#endif
 #endif
 
 /* Column k of an F16 / BF16 tile (one value of each of its 8 rows) as 8 floats. */
@@ -1139,7 +1136,7 @@ int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float 
     return 0;
 }
 
-#ifdef PROMPT_TILES
+#ifdef BF16_TILES
 /* ---- a prompt's rows on bfloat16 tiles (AMX) ----------------------------------------------
  * A prompt's many rows make another product pay where the CPU has AMX-BF16: the weights of up to
  * 4 tiles (32 outputs) unpacked once per call into bfloat16 (w = s * q + m in float, rounded),
@@ -1147,7 +1144,6 @@ int dl_matmul(int type, const uint8_t *tiles, int64_t N, int64_t K, const float 
  * each) summing in float. No per-group float steps per row: those are the VNNI path's limit.
  * The bits differ from the 8-bit path's, so only a prompt's rows take it, all of them (a chunk
  * of one row too): each row's bits still depend on nothing but its own x. */
-#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -1160,15 +1156,6 @@ typedef struct {
 /* Bytes of one group's unpacked weights for 2 pairs of tiles: per pair a B tile of 16 rows (pairs
  * of values 2i, 2i + 1) of 16 outputs' two bfloat16. */
 #define QUAD_GROUP_BYTES 2048
-
-/* Values k and k + 1 of 16 outputs (f0, f1) as 16 bfloat16 pairs (64 bytes at `to`). */
-TILE_TARGET static inline void bf16_pairs(__m512 f0, __m512 f1, uint8_t *to) {
-    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* f0's 16, then f1's */
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
-    _mm512_storeu_si512(to, _mm512_permutexvar_epi16(order, both));
-}
 
 /* Group g of a pair of tiles (`stride` bytes apart; 0: one tile, in both halves) into a B tile
  * (`B`, 1 KB): B row i holds values 2i and 2i + 1 of each of the 16 outputs. */

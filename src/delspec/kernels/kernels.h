@@ -160,6 +160,25 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
+/* Where the compiler can build them (Linux, AVX-512 with VNNI, GCC 11+ or clang): a prompt's
+ * products (gguf_blocks.c) and attention (attention.c) on bfloat16 tiles (AMX), run only where
+ * the CPU has them (`dl_prompt_tiles_ready`). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) &&                 \
+    defined(__AVX512VL__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+#define BF16_TILES 1
+#define TILE_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+/* Value k and k + 1 of 16 columns (f0, f1) as 16 pairs of bfloat16 (64 bytes at `to`): a row of
+ * a B tile. */
+TILE_TARGET static inline void bf16_pairs(__m512 f0, __m512 f1, uint8_t *to) {
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* f0's 16, then f1's */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    _mm512_storeu_si512(to, _mm512_permutexvar_epi16(order, both));
+}
+#endif
+
 #ifdef __AVX2__
 /* exp_approx of eight values at once (the same operations, so the same bits). */
 static inline __m256 exp8_approx(__m256 x) {
