@@ -298,6 +298,19 @@ def test_cycles_in_decoding_are_as_many_as_the_budget_holds(budget_s, timed):
     assert (bar.n, bar.total) == (timed + 1, timed + 2)
 
 
+def test_what_rounds_leave_is_one_line_through_noisy_medians():
+    """A trend across the row counts is kept; one count's noise is not what every larger
+    round is priced at."""
+    counts = [1, 2, 3, 4, 8]
+    assert costs.lingering_line(counts, [0.0, 0.1, 0.2, 0.3, 0.7], 9) == pytest.approx(
+        [0.1 * k for k in range(9)]
+    )
+    noisy = costs.lingering_line(counts, [0.5, 0.4, 0.0, 0.0, 0.0], 9)
+    assert noisy[0] == 0.0 and max(noisy) < 0.1  # (0.4 at 2 rows alone)
+    assert costs.lingering_line(counts, [0.0, -0.2, 0.1, -0.1, 0.0], 9) == [0.0] * 9
+    assert costs.lingering_line([1], [0.3], 3) == [0.0] * 3
+
+
 def test_rows_in_decoding_are_a_plain_step_apart():
     """On a real (tiny) model: one row is the plain step itself, more rows cost no less than
     fewer, and what a round leaves to the steps after is none for one row, never negative."""

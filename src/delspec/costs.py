@@ -41,7 +41,7 @@ Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary le
 LOG = logging.getLogger(__name__)
 PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 16
+PROFILE_VERSION = 17
 # Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
 DRAFT_HEAD_ROUNDS = 16
 # Plain steps after a verification in which its cost may still show (`measure_in_decoding`), and
@@ -518,7 +518,8 @@ def measure_in_decoding(
     steps; each round's block follows a block whose round is a plain step, and what the round
     adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
     them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
-    2 rows read 1.12 plain steps where decoding took 1.25-1.3). Medians over cycles of
+    2 rows read 1.12 plain steps where decoding took 1.25-1.3), fitted as one slope per row
+    beyond the first. Medians over cycles of
     shuffled turns, after an untimed one, at the row counts of `row_counts` (in between by
     interpolation): up to `cycles` timed cycles, as many as `budget_s` holds at the untimed
     cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits
@@ -563,12 +564,23 @@ def measure_in_decoding(
         cycle += 1
     plain = statistics.median(own[1])
     own_k = [statistics.median(own[k]) / plain for k in counts]
-    added_k = [max(statistics.median(added[k]), 0.0) / plain for k in counts]
     every = np.arange(1, most + 1)
     rows = np.maximum.accumulate(np.interp(every, counts, own_k))
-    lingering = np.maximum.accumulate(np.interp(every, counts, added_k))
-    lingering[0] = 0.0  # a plain step after a plain step is the reference
-    return rows.tolist(), lingering.tolist()
+    added_k = [statistics.median(added[k]) / plain for k in counts]
+    return rows.tolist(), lingering_line(counts, added_k, most)
+
+
+def lingering_line(counts: list[int], added: list[float], most: int) -> list[float]:
+    """What rounds of 1..`most` rows leave to the plain steps after them (in plain steps), from
+    the medians `added` measured at row `counts`: one slope per row beyond the first through
+    all of them, none below 0. What a round leaves grows with its rows, and each median is
+    noisy: on a busy Intel Xeon a plain step's block read 0.1-0.6 steps from its reference's,
+    and the other counts 0-0.4 steps in no order, where the largest median so far from each
+    count on (the estimate before) priced every round of 2 or 3 rows and more at that noise."""
+    extra = np.asarray(counts, dtype=np.float64) - 1
+    total = float(extra @ extra)
+    slope = max(float(extra @ np.asarray(added)) / total, 0.0) if total else 0.0
+    return (slope * np.arange(most)).tolist()
 
 
 def measure_draft_heads(
