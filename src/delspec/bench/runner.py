@@ -147,7 +147,7 @@ def _check_settings(
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    if not min_seconds >= 0 or min_seconds == float("inf"):
+    if not 0 <= min_seconds < float("inf"):  # NaN too
         raise ConfigError(f"min_seconds must be a number >= 0, got {min_seconds}")
 
 
