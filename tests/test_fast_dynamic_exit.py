@@ -254,13 +254,15 @@ def test_every_round_updates_the_final_layer_from_its_verification():
     rows = [final, len(policy.candidates) + final]  # the final layer at each level
 
     def context_round(accepted: int) -> None:
-        """Two context draft tokens, `accepted` of them accepted, no states: unscored."""
+        """Two context draft tokens, `accepted` of them accepted, no states: unscored (its
+        updates applied at once, not held back for later rounds')."""
         record = Round(
             0, 0, targets[:2], [], accepted, targets[: accepted + 1], torch.tensor(targets)
         )
         record.from_context = 2
         policy.credit = 0.0  # nothing for shadow tokens
         policy.observe(record)
+        policy.finish()
 
     context_round(0)  # one valid position: 3
     assert policy.stats.matched[rows].tolist() == [1.0, 1.0]
@@ -294,28 +296,38 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
     assert len(choices) == 2 and final == pytest.approx([6 / 7, 1.0])
 
 
-def test_plain_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(
-    monkeypatch, tmp_path
-):
-    """A plain round's updates wait for `PLAIN_BATCH` of them (or `finish`, or a round that is
-    not held back); applied, they leave every statistic where applying each round at once
-    would have: the final layer's counts (which target each level held then: the sequence's
-    tokens join the draft vocabularies as it runs), the context proposals' scores, the
-    realized plain steps, the cost check's samples."""
+def test_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(monkeypatch, tmp_path):
+    """The updates of a round without exit-layer drafts (a plain step, or context drafts
+    alone) wait for `PLAIN_BATCH` of them (or `finish`, or a round that is not held back);
+    applied, they leave every statistic where applying each round at once would have: the
+    final layer's counts (which target each level held then: the sequence's tokens join the
+    draft vocabularies as it runs), the context proposals' scores, the realized plain steps,
+    the cost check's samples."""
     rng = np.random.default_rng(5)
-    tokens = rng.integers(0, 12, 40).tolist()  # some in the small level (0..7), some not
+    tokens = rng.integers(0, 12, 80).tolist()  # some in the small level (0..7), some not
     proposals = {i: ContextProposal(tokens[i + 1 : i + 3], 2) for i in range(0, 40, 3)}
 
     def run(batch: int, rounds: int) -> FastDynamicExit:
         monkeypatch.setattr(fast_dynamic_exit, "PLAIN_BATCH", batch)
         policy = _final_layer_policy(context_vocab=True, omega=0.9)
         policy.cost.profile.path = str(tmp_path / "none.json")  # as if measured: checked
+        at = 0  # the sequence's position
         for i in range(rounds):
             policy.context_score.proposed(proposals.get(i, NO_PROPOSAL))
-            record = Round(i, 0, [], [], 0, [tokens[i]], torch.tensor([tokens[i]]))
+            if i % 4 == 3:  # two context draft tokens: both right, or the second wrong
+                drafted = [tokens[at], tokens[at + 1] if i % 8 == 3 else 99]
+                accepted = 2 if i % 8 == 3 else 1
+                record = Round(
+                    at, 0, drafted, [], accepted, tokens[at : at + accepted + 1],
+                    torch.tensor(tokens[at : at + 3]),
+                )  # fmt: skip
+                record.from_context = 2
+            else:
+                record = Round(at, 0, [], [], 0, [tokens[at]], torch.tensor([tokens[at]]))
             record.verify_s = 0.01
             policy.exit_head.admit(record.tokens)  # as the engine commits them
             policy.observe(record)
+            at += len(record.tokens)
         return policy
 
     def counted(policy: FastDynamicExit) -> float:

@@ -77,8 +77,9 @@ class DraftHead(ExitHead):
         self.context_vocab = context_vocab and bool(pruned)
         self._pending: list[int] = []  # admitted tokens not yet in the vocabularies
         self.extras = [model.head_rows(ranked[:0])] * len(levels)
-        self.context: set[int] = set()  # the sequence's tokens so far
-        self.fresh: set[int] = set()  # those the latest `admit` added
+        # the sequence's tokens so far, each with the `admit` (counted in `admissions`) that
+        # added it
+        self.context: dict[int, int] = {}
         self.adapted: frozenset[int] = frozenset()
         if adapters is not None and adapters.layers:
             num_layers, rank, hidden = model.num_layers, adapters.rank, model.config.hidden_size
@@ -125,13 +126,13 @@ class DraftHead(ExitHead):
             return logits
         return torch.cat([logits, self.model.project(n, extra)], -1)
 
-    def held(self, tokens: list[int]) -> list[list[bool]]:
+    def held(self, tokens: list[int], admission: int | None = None) -> list[list[bool]]:
         level_of = self.level_of
         ranks = [level_of[t] for t in tokens]
-        if self.context_vocab:  # in the sequence before the latest `admit`: every level has it
-            context, fresh = self.context, self.fresh
+        if self.context_vocab:  # in the sequence before that `admit`: every level has it
+            latest, context = self.admissions if admission is None else admission, self.context
             ranks = [
-                0 if t in context and t not in fresh else r
+                0 if context.get(t, latest) < latest else r
                 for t, r in zip(tokens, ranks, strict=True)
             ]
         return [[r <= level for r in ranks] for level in range(len(self.base_vocabs))]
@@ -140,10 +141,10 @@ class DraftHead(ExitHead):
         if not self.context_vocab:
             return self
         head = copy.copy(self)
-        head.vocabs, head.extras, head.context = list(self.vocabs), list(self.extras), set()
-        head._pending = []
+        head.vocabs, head.extras, head.context = list(self.vocabs), list(self.extras), {}
+        head._pending, head.admissions = [], 0
         head.admit(prompt)
-        head.fresh = set()
+        head.admissions += 1  # the prompt's `admit` is not the latest: every level has it
         return head
 
     def admit(self, tokens: list[int]) -> None:
@@ -152,9 +153,9 @@ class DraftHead(ExitHead):
         none: `held` answers from the sequence's tokens)."""
         if not self.context_vocab:
             return
+        self.admissions += 1
         new = [t for t in dict.fromkeys(tokens) if t not in self.context]
-        self.fresh = set(new)
-        self.context.update(new)
+        self.context.update(dict.fromkeys(new, self.admissions))
         self._pending += new
 
     @property

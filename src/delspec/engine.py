@@ -67,6 +67,7 @@ class ExitHead:
         self.draft_weights: list[Tensor | Int8Weight | None] = [None]
         # per level: the token id of each logit column (None: column = token id)
         self.vocabs: list[Tensor | None] = [None]
+        self.admissions = 0  # `admit` calls so far (where a head counts them)
 
     @property
     def vocab(self) -> Tensor | None:
@@ -121,11 +122,12 @@ class ExitHead:
         """`held` as a `[levels, tokens]` tensor."""
         return torch.tensor(self.held(tokens.tolist()), dtype=torch.bool).view(-1, len(tokens))
 
-    def held(self, tokens: list[int]) -> list[list[bool]]:
-        """Per level, whether it could draft each of `tokens` before the latest `admit`
-        (everything, for a head without pruned vocabularies). Plain Python: a policy asks about
-        a few tokens every round, right after a step has streamed the weights through the
-        caches, where each numpy or torch call costs 5-10 times what it does in a loop."""
+    def held(self, tokens: list[int], admission: int | None = None) -> list[list[bool]]:
+        """Per level, whether it could draft each of `tokens` before the latest `admit`, or
+        before the one that made `admissions` this `admission` (what it answered then, asked
+        later); everything, for a head without pruned vocabularies. Plain Python: a policy asks
+        about a few tokens every round, right after a step has streamed the weights through
+        the caches, where each numpy or torch call costs 5-10 times what it does in a loop."""
         return [[True] * len(tokens) for _ in self.vocabs]
 
     def for_prompt(self, prompt: list[int]) -> ExitHead:
@@ -133,7 +135,8 @@ class ExitHead:
         return self
 
     def admit(self, tokens: list[int]) -> None:
-        """`tokens` joined the sequence (a head may widen its vocabularies with them)."""
+        """`tokens` joined the sequence (a head may widen its vocabularies with them; it counts
+        its calls in `admissions`)."""
 
 
 @dataclass
