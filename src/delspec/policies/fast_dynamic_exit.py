@@ -53,7 +53,7 @@ MATCH_CLASSES = (1, 2, 3, 4, 6, 10)
 # behind `ar` on a reply without drafts; the plan sees those updates at most this many rounds
 # late. 16 against 8: 85 us less policy time a round on a chat reply, the same overall on both
 # bench models (in-process A/B, Intel Xeon).
-PLAIN_BATCH = 16
+HELD_BATCH = 16
 
 
 def uses_fast_additions(options: DELOptions) -> bool:
@@ -136,7 +136,7 @@ class FastDynamicExit(DynamicExit):
       where it tells a miss, the stop holds. At the final layer, whose drafts are the full
       head's restricted to a vocabulary, there is no stop under tau (`keep_drafting`).
     - The updates of a round without exit-layer drafts (a plain step, or context drafts alone;
-      past the warm-up, unscored, no recheck due after it) wait, and `PLAIN_BATCH` of them are
+      past the warm-up, unscored, no recheck due after it) wait, and `HELD_BATCH` of them are
       applied together, in order, as each would have been (the final layer's counts in one
       update); `finish` applies what is left at the end.
     - `remember=True`: a generation starts from what the previous one with the same model, draft
@@ -387,11 +387,11 @@ class FastDynamicExit(DynamicExit):
         """Whether `record`'s updates may wait for the next ones (see the class docstring): a
         round without exit-layer drafts (a plain step, or context drafts alone) past the
         warm-up, without states to score, after which no recheck is due."""
-        plain = not (self.in_warmup or record.layer_drafts or record.hidden is not None)
-        return plain and self.recheck_in != 1
+        light = not (self.in_warmup or record.layer_drafts or record.hidden is not None)
+        return light and self.recheck_in != 1
 
     def _hold(self, record: Round) -> None:
-        """Hold back a round's updates (`_may_hold`), applying them once `PLAIN_BATCH`
+        """Hold back a round's updates (`_may_hold`), applying them once `HELD_BATCH`
         wait; only what the next round's plan reads at once is done now (the context's tokens,
         the shadow budget's credit, the recheck's countdown) and what would change by then
         (the draft vocabularies' `admissions`: the context's tokens join them, and what they
@@ -404,7 +404,7 @@ class FastDynamicExit(DynamicExit):
             self.credit += self.shadow_budget * (record.draft_s + record.verify_s)
         self.recheck_in -= 1
         self.held_seconds += time.perf_counter() - start
-        if len(self.held) == PLAIN_BATCH:
+        if len(self.held) == HELD_BATCH:
             self.finish()
         self.collect_hidden = self._will_score_next()
         self._annotate(record, time.perf_counter() - start, 0)
