@@ -501,6 +501,11 @@ static void tile_float(int type, const Layout *L, const uint8_t *tile, const Act
 /* ---- AVX2 product ----------------------------------------------------------------------- */
 #ifdef __AVX2__
 
+/* The products fetch the tile (or pair) after the next one while they compute: tens of KB
+ * ahead for the widest rows, more than a core's L1 holds, so they fetch into L2 (T1), where the
+ * lines wait without evicting what the loop is using; L1 fetches would be evicted before use. */
+#define AHEAD _MM_HINT_T1
+
 /* bits [at, at + width) of each byte moved to bits [to, to + width) (the others zero); the mask
  * is applied where the bits end up, so that a type's vectors share as few masks as may be (each
  * one more takes a register) */
@@ -669,7 +674,7 @@ static inline __attribute__((always_inline)) void tile_avx2(int type, const Layo
     int64_t stride = G / per * L->tile_bytes, share = stride / G;
     const char *ahead = (const char *)tile + 2 * stride;
     for (int64_t g = 0; g < G; ++g) {
-        for (int64_t line = 0; line < share; line += 64) _mm_prefetch(ahead + g * share + line, _MM_HINT_T0);
+        for (int64_t line = 0; line < share; line += 64) _mm_prefetch(ahead + g * share + line, AHEAD);
         const uint8_t *t = tile + (g / per) * L->tile_bytes;
         int j = (int)(g % per);
         int64_t at = g * M; /* this group's first row of x */
@@ -766,8 +771,8 @@ static inline __attribute__((always_inline)) void tile_pair(int type, const Layo
     const char *ahead = (const char *)tile + 2 * stride; /* the next pair */
     for (int64_t g = 0; g < G; ++g) {
         for (int64_t line = 0; line < share; line += 64) {
-            _mm_prefetch(ahead + g * share + line, _MM_HINT_T0);
-            _mm_prefetch(ahead + stride + g * share + line, _MM_HINT_T0);
+            _mm_prefetch(ahead + g * share + line, AHEAD);
+            _mm_prefetch(ahead + stride + g * share + line, AHEAD);
         }
         const uint8_t *t = tile + (g / per) * L->tile_bytes;
         int j = (int)(g % per);
@@ -834,7 +839,7 @@ static inline __attribute__((always_inline)) void float_rows(int type, const uin
         for (int c = 0; c < FLOAT_CHAINS; ++c) acc[r][c] = _mm256_setzero_ps();
     const char *ahead = (const char *)tile + 2 * 16 * K; /* the tile after next */
     for (int64_t k = 0; k < K; k += FLOAT_CHAINS) {
-        if (prefetch) _mm_prefetch(ahead + 16 * k, _MM_HINT_T0); /* 4 columns: one line */
+        if (prefetch) _mm_prefetch(ahead + 16 * k, AHEAD); /* 4 columns: one line */
         for (int c = 0; c < FLOAT_CHAINS; ++c) {
             __m256 w = load_column(type, tile + 16 * (k + c));
             for (int r = 0; r < rows; ++r)
