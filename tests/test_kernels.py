@@ -327,6 +327,19 @@ def test_parts_and_row_subsets():
             wa.dequantize(outside)
 
 
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_gathered_rows_keep_their_values(qtype):
+    """Rows taken out of tiles in any order, to any place in a tile (a pruned draft head), and
+    parts merged into one: the same values as the rows they came from."""
+    raw = synthetic_blocks(qtype, 21, 512, seed=11)
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 512)
+    rows = torch.randperm(21, generator=torch.Generator().manual_seed(12))[:13]
+    full = weight.dequantize()
+    assert torch.equal(weight[rows].dequantize(), full[rows])
+    merged = BlockWeight.stack([weight[rows[:5]], weight[rows[5:]]])
+    assert len(merged.parts) == 1 and torch.equal(merged.dequantize(), full[rows])
+
+
 def test_pieces_are_repacked_where_they_lie():
     """Rows given as several pieces, strided views among them, repack to the tiles of the
     pieces' rows copied one after another."""

@@ -8,6 +8,7 @@ per element and takes tens of seconds).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -66,7 +67,20 @@ class GGUFHeader:
 
 def read_header(path: Path) -> GGUFHeader:
     """The header of GGUF file `path`; ModelFormatError (one line) if it is not a whole GGUF
-    file: bad magic or version, a header cut short, or tensor data past the end of the file."""
+    file: bad magic or version, a header cut short, or tensor data past the end of the file.
+    A load asks several times (its depth, its token scores): the last few files' headers are
+    kept while the file is unchanged (same size and modification time). Callers must not
+    modify the header's metadata."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelFormatError(f"{path} cannot be read: {exc}") from exc
+    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
     try:
         with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
             header = _parse(m)

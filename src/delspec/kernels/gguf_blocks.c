@@ -914,6 +914,24 @@ static inline __attribute__((always_inline)) void put_area_row(uint8_t *area, in
     }
 }
 
+/* put_area_row's inverse: row l's values of an area of width w, shifted to bits [shift, shift +
+ * w) and or-ed into the 32 values q. */
+static inline void get_area_row(const uint8_t *area, int w, int l, uint8_t *q, int shift) {
+    int per = 8 / w;
+    uint32_t mask = 0x01010101u * ((1u << w) - 1);
+    for (int vb = 0; vb < w; ++vb) {
+        uint32_t word;
+        memcpy(&word, area + 32 * vb + 4 * l, 4);
+        for (int k = 0; k < per; ++k) {
+            uint8_t *at = q + 4 * ((vb * per + k) & 7); /* vb * per + k < 8 for w <= 8 */
+            uint32_t values;
+            memcpy(&values, at, 4);
+            values |= ((word >> (w * k)) & mask) << shift;
+            memcpy(at, &values, 4);
+        }
+    }
+}
+
 /* GGUF row `src` (K values) repacked as row l of a tile row `out` (zeroed first where the tile
  * row is partial): inlined with `type` a constant, so that the layout arithmetic folds away. */
 static inline __attribute__((always_inline)) void pack_row(int type, const uint8_t *src,
@@ -993,7 +1011,17 @@ int dl_gather(int type, const uint8_t *src, int64_t K, const int64_t *index, int
             for (int g = 0; g < per; ++g) {
                 const uint8_t *sa = s + L.head + g * L.group_bytes;
                 uint8_t *ta = t + L.head + g * L.group_bytes;
-                for (int i = 0; i < GROUP; ++i) set_tile_value(&L, ta, to, i, tile_value(&L, sa, from, i));
+                if (L.low == 16) {
+                    for (int i = 0; i < GROUP; ++i) set_tile_value(&L, ta, to, i, tile_value(&L, sa, from, i));
+                    continue;
+                }
+                uint8_t q[GROUP] = {0};
+                get_area_row(sa, L.low, from, q, 0);
+                put_area_row(ta, L.low, to, q, 0);
+                if (L.high) {
+                    get_area_row(sa + 32 * L.low, L.high, from, q, L.low);
+                    put_area_row(ta + 32 * L.low, L.high, to, q, L.low);
+                }
             }
         }
     }
