@@ -1,19 +1,36 @@
-"""Decode-size products on GGUF blocks: delspec's compiled kernels against torch's best.
+"""Decode-size products on GGUF blocks: delspec's compiled kernels against torch's best, and
+against the memory limit and llama.cpp on the shapes of the models people run.
 
-For every (GGUF type, part shape) the two offline models hold (their real blocks), and M rows of
-activations, times `BlockWeight.__call__` against torch's kernels on the same tensor (int4pack
-for 4/5-bit types, int8pack, float32 `F.linear`) and the machine's streaming read bandwidth.
+Two modes:
+
+- the offline models (default): for every (GGUF type, part shape) the two models hold (their
+  real blocks) and M rows of activations, times `BlockWeight.__call__` against torch's kernels
+  on the same tensor (int4pack for 4/5-bit types, int8pack, float32 `F.linear`) and the
+  machine's streaming read bandwidth;
+- `--synthetic SHAPE[,SHAPE]` (large_model.py's shapes: Q4_K layers, a Q6_K head): every
+  layer's products of one kind timed in turn (the weights stream from memory as in a step), M =
+  1, 2, 4, 8, at 1 and 2 threads, as GB/s-equivalent and % of the read bandwidth measured at the
+  same thread count; beside them llama-bench's tg (token generation) on the same synthetic GGUF
+  file (`--llama-bench PATH`, or `llama-bench` on PATH: build it for this CPU, e.g. llama.cpp's
+  CMake with its native CPU flags, or the comparison is with a slower peer than users run).
+
 Writes `summary.json` and `table.md` to `--out`.
 
-    python benchmarks/kernels.py --quick --out /tmp/kq
+    python benchmarks/block_products.py --quick --out /tmp/kq
+    python benchmarks/block_products.py --synthetic qwen2-1.5b,llama3.2-1b --out /tmp/ks
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
+import re
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -21,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from delspec import load_model
 from delspec.bench.environment import read_bandwidth
+from delspec.cache import cache_dir
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.build import cpu_name, library
 
@@ -237,13 +256,216 @@ def table(rows: list[dict], context: dict, repeats: int, quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+SYNTHETIC_M = (1, 2, 4, 8)
+SYNTHETIC_THREADS = (1, 2)
+
+
+def synthetic_groups(shape: str) -> dict[str, tuple[gguf.GGMLQuantizationType, int, int, int]]:
+    """large_model.py's `shape` as delspec multiplies it: per kind of product (q/k/v and
+    gate/up fused, as the loader fuses them), (type, rows, cols, how many in a step)."""
+    from large_model import SHAPES
+
+    layers, hidden, ffn, heads, kv_heads, vocab = SHAPES[shape]
+    kv = hidden // heads * kv_heads
+    return {
+        "qkv": (_T.Q4_K, hidden + 2 * kv, hidden, layers),
+        "output": (_T.Q4_K, hidden, hidden, layers),
+        "gate/up": (_T.Q4_K, 2 * ffn, hidden, layers),
+        "down": (_T.Q4_K, hidden, ffn, layers),
+        "head": (_T.Q6_K, vocab, hidden, 1),
+    }
+
+
+def synthetic_weights(qtype, rows: int, cols: int, count: int) -> list[BlockWeight]:
+    """`count` weights of random blocks with sane scales (large_model.py's)."""
+    from large_model import _random_tensor
+
+    rng = np.random.default_rng(rows * 7 + cols)
+    blocks = (torch.from_numpy(_random_tensor(rng, (rows, cols), qtype)) for _ in range(count))
+    return [BlockWeight.from_blocks(qtype, b, cols) for b in blocks]
+
+
+def llama_bench_tg(binary: str | None, path: Path, threads: int) -> float | None:
+    """llama-bench's tg128 tokens/s on `path` at `threads` threads (best of its repetitions'
+    mean), or None without a llama-bench."""
+    if binary is None:
+        return None
+    command = [binary, "-m", str(path), "-p", "0", "-n", "128", "-t", str(threads), "-r", "3"]
+    done = subprocess.run([*command, "-o", "json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"llama-bench failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def delspec_decode(path: Path, threads: int) -> float | None:
+    """delspec `ar` decode tokens/s on `path` (128 new tokens, greedy), in its own process as a
+    user runs it; None if it failed."""
+    command = ["delspec", "generate", "The quick brown fox", "--model", str(path)]
+    command += ["--strategy", "ar", "--threads", str(threads), "--max-new-tokens", "128", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"delspec failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return 1e3 / json.loads(done.stdout)["stats"]["decode_ms_per_token"]
+
+
+def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
+    """One shape's rows (per product kind, threads and M) and whole-step figures."""
+    from large_model import write_model
+
+    path = cache_dir() / "benchmarks" / f"synthetic-{shape}.gguf"
+    if not path.is_file():
+        print(f"writing {path} (once)...", file=sys.stderr, flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_model(path, shape)
+    groups = synthetic_groups(shape)
+    weights = {kind: synthetic_weights(*spec) for kind, spec in groups.items()}
+    step_bytes = sum(w.nbytes for ws in weights.values() for w in ws)
+    rows, steps = [], {}
+    for threads in SYNTHETIC_THREADS:
+        torch.set_num_threads(threads)
+        bandwidth = read_bandwidth()
+        step_us = dict.fromkeys(SYNTHETIC_M, 0.0)
+        for kind, (qtype, n, k, count) in groups.items():
+            m1_us = 0.0
+            for m in SYNTHETIC_M:
+                x = torch.randn(m, k)
+                fns = [lambda x, xb, w=w: w(x) for w in weights[kind]]
+                us = per_product_us(fns, x, x, repeats)
+                m1_us = us if m == 1 else m1_us
+                step_us[m] += us * count
+                gb_s = weights[kind][0].nbytes / us / 1e3
+                rows.append({
+                    "shape": shape, "product": kind, "type": qtype.name, "rows": n, "cols": k,
+                    "count": count, "threads": threads, "M": m, "us": round(us, 1),
+                    "weight_gb_per_s": round(gb_s, 2), "bandwidth_gb_per_s": round(bandwidth, 2),
+                    "share_of_bandwidth": round(gb_s / bandwidth, 3),
+                    "m_over_m1": round(us / m1_us, 2),
+                })  # fmt: skip
+        tg = llama_bench_tg(llama_bench, path, threads)
+        ar = delspec_decode(path, threads)
+        steps[threads] = {
+            "bandwidth_gb_per_s": round(bandwidth, 2),
+            "products_ms": {m: round(us / 1e3, 2) for m, us in step_us.items()},
+            "products_gb_per_s": round(step_bytes / step_us[1] / 1e3, 2),
+            "llama_bench_tg": None if tg is None else round(tg, 2),
+            "delspec_ar_decode": None if ar is None else round(ar, 2),
+            # llama.cpp's weights per token read at its tg rate (the file's tensor bytes)
+            "llama_gb_per_s": None if tg is None else round(path.stat().st_size * tg / 1e9, 2),
+        }
+        print(json.dumps({"shape": shape, "threads": threads, **steps[threads]}), flush=True)
+    return {
+        "shape": shape,
+        "file": str(path),
+        "step_bytes": step_bytes,
+        "rows": rows,
+        "steps": steps,
+    }
+
+
+def synthetic_table(reports: list[dict], context: dict) -> str:
+    """The Markdown report of `--synthetic` runs."""
+    lines = [
+        "# GGUF block products at the memory limit: synthetic model shapes",
+        "",
+        f"CPU: {context['cpu']}; SIMD: {context['simd_name']}; llama-bench: "
+        f"{context['llama_bench'] or 'none'} ({context['llama_build'] or 'build unknown'}); "
+        f"{context['date']}.",
+        "",
+        "Per product kind, every layer's product timed in turn (weights streaming from memory), "
+        "median of repeated sweeps. GB/s is the weight bytes read per second; % bw is that over "
+        "the streaming read bandwidth measured at the same thread count (sum of a 1 GiB float32 "
+        "tensor). The step line adds every product of one token (M rows); llama.cpp's line is "
+        "llama-bench's tg128 on the same synthetic GGUF file, as weights read per second (file "
+        "bytes x tokens/s).",
+        "",
+    ]
+    for report in reports:
+        megabytes = report["step_bytes"] / 1e6
+        lines += [f"## {report['shape']} ({megabytes:.0f} MB of products a step)", ""]
+        lines += ["| threads | product | type | rows x cols | M | us | GB/s | % bw | M/M1 |"]
+        lines += ["|---|---|---|---|---|---|---|---|---|"]
+        for r in report["rows"]:
+            lines.append(
+                f"| {r['threads']} | {r['product']} | {r['type']} | {r['rows']}x{r['cols']} "
+                f"| {r['M']} | {r['us']:.0f} | {r['weight_gb_per_s']:.1f} "
+                f"| {r['share_of_bandwidth']:.0%} | {r['m_over_m1']:.2f} |"
+            )
+        header = (
+            "| threads | read GB/s | products ms a step, M=1 / 2 / 4 / 8 | products GB/s (% bw) "
+            "| llama.cpp tg128 tok/s | llama.cpp GB/s (% bw) | products' tok/s bound / llama.cpp "
+            "| delspec `ar` decode tok/s | `ar` / llama.cpp |"
+        )
+        lines += ["", header, "|---" * 9 + "|"]
+        for threads, step in report["steps"].items():
+            bw, ms = step["bandwidth_gb_per_s"], step["products_ms"]
+            tg, lgb = step["llama_bench_tg"], step["llama_gb_per_s"]
+            ar = step["delspec_ar_decode"]
+            bound = 1e3 / ms[1] if ms[1] else 0.0
+            lines.append(
+                f"| {threads} | {bw:.1f} | {' / '.join(f'{v:.1f}' for v in ms.values())} "
+                f"| {step['products_gb_per_s']:.1f} ({step['products_gb_per_s'] / bw:.0%}) "
+                f"| {tg if tg is not None else '-'} "
+                f"| {f'{lgb:.1f} ({lgb / bw:.0%})' if lgb is not None else '-'} "
+                f"| {f'{bound / tg:.2f}x' if tg else '-'} "
+                f"| {ar if ar is not None else '-'} | {f'{ar / tg:.2f}x' if tg and ar else '-'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def llama_build(binary: str | None) -> str | None:
+    """The instruction-set options llama-bench was built with (the GGML_* CPU options its CMake
+    cache turned on, e.g. "AVX2 AVX512 AVX512_VNNI"), or None where that cache is not beside it."""
+    if binary is None:
+        return None
+    cache = Path(binary).resolve().parent.parent / "CMakeCache.txt"
+    try:
+        text = cache.read_text()
+    except OSError:
+        return None
+    options = re.findall(r"^GGML_(NATIVE|AVX\w*|FMA|F16C|AMX\w*|BMI2):BOOL=ON$", text, re.M)
+    return " ".join(options) or "no x86 extensions"
+
+
+def main_synthetic(args: argparse.Namespace) -> None:
+    lib = library()
+    if lib is None:
+        sys.exit("the compiled GGUF kernels are unavailable here (see the notice above)")
+    binary = args.llama_bench or shutil.which("llama-bench")
+    context = {
+        "cpu": cpu_name(),
+        "simd_name": SIMD_NAMES.get(lib.dl_simd_level(), "unknown"),
+        "llama_bench": binary,
+        "llama_build": llama_build(binary),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+    }
+    reports = []
+    with torch.inference_mode():
+        for shape in args.synthetic.split(","):
+            reports.append(bench_synthetic(shape, args.repeats or 7, binary))
+            gc.collect()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps({**context, "reports": reports}, indent=1))
+    report = synthetic_table(reports, context)
+    (args.out / "table.md").write_text(report + "\n")
+    print(report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", metavar="SHAPE[,SHAPE]", help="large_model.py's shapes")
+    parser.add_argument("--llama-bench", help="llama-bench built for this CPU (--synthetic)")
     parser.add_argument("--quick", action="store_true", help="LM heads + largest layers, M=1, 8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernels")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, help="timings per median (default 15, quick 5)")
     args = parser.parse_args()
+    if args.synthetic:
+        main_synthetic(args)
+        return
     repeats = args.repeats or (5 if args.quick else 15)
     ms = QUICK_M if args.quick else FULL_M
     torch.set_num_threads(args.threads)
