@@ -18,14 +18,17 @@ install:
 # compiles llama.cpp, several minutes on 2 cores. Its default build uses -march=native (and AMX
 # where the CPU reports it), which dies with SIGILL on VMs whose CPU flags differ from the host's,
 # so this builds a portable AVX2 one, unless llama_cpp is already importable (to replace a
-# broken build: pip uninstall llama-cpp-python first). --no-cache-dir: never a cached wheel built
+# broken build: pip uninstall llama-cpp-python first; an install whose library does not load, e.g.
+# one made for LLAMA_CPP_LIB_PATH, is rebuilt). --no-cache-dir: never a cached wheel built
 # elsewhere; the second line adds its dependencies. CI runs it before `make test`.
+# The peer that speed comparisons quote is llama.cpp built for the CPU it runs on: point
+# llama-cpp-python at such a build's library directory with LLAMA_CPP_LIB_PATH (docs/benchmarks.md).
 LLAMA_CMAKE_ARGS = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
 
 install-llama:
 	@$(PYTHON) -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python is installed" || { \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 19 $(PIP) --no-cache-dir --no-deps \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 19 $(PIP) --no-cache-dir --no-deps --force-reinstall \
 			"llama-cpp-python>=0.3" && $(PIP) "llama-cpp-python>=0.3"; }
 
 # Ray Serve (the `delspec[ray]` extra, for `delspec serve --replicas N`); CI runs it before

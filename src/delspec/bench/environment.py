@@ -37,11 +37,31 @@ def run_environment(lm: LoadedModel, command: str | None = None) -> dict[str, An
         "transformers": metadata.version("transformers"),
         "delspec": metadata.version("delspec"),
         "llama_cpp_python": _version("llama-cpp-python"),
+        "llama_cpp_build": llama_cpp_build(),
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def llama_cpp_build() -> dict[str, str] | None:
+    """Which llama.cpp library the llama.cpp peer runs and what its CPU build uses: the one
+    `LLAMA_CPP_LIB_PATH` names (e.g. a build for this CPU) or llama-cpp-python's own (CI's
+    portable AVX2 build), and llama.cpp's system info line (AVX512 = 1, ...); None where
+    llama-cpp-python is not installed or its library does not load."""
+    if _version("llama-cpp-python") is None:
+        return None
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    except Exception:  # an install without a loadable library is no peer
+        return None
+    return {
+        "library": os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own build",
+        "system_info": " ".join(info.split()),
     }
 
 
