@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install install-llama install-ray demo test lint
+.PHONY: install install-llama install-ray llama-native demo test lint
 
 install:
 	$(PIP) -e ".[dev]"
@@ -30,6 +30,14 @@ install-llama:
 	@$(PYTHON) -c "import llama_cpp" 2>/dev/null && echo "llama-cpp-python is installed" || { \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 19 $(PIP) --no-cache-dir --no-deps --force-reinstall \
 			"llama-cpp-python>=0.3" && $(PIP) "llama-cpp-python>=0.3"; }
+
+# llama.cpp built for THIS CPU (every AVX/AVX-512/VNNI/BF16 extension it reports; AMX off, whose
+# tile setup has crashed on VMs), from the tree vendored in llama-cpp-python's sdist: the peer
+# that published comparisons use. Several minutes once; prints the directory of llama-bench,
+# llama-server and libllama.so (for LLAMA_CPP_LIB_PATH). Not part of `make test`.
+LLAMA_NATIVE ?= $(HOME)/.cache/llama-native
+llama-native:
+	@bash benchmarks/llama_native.sh "$(LLAMA_NATIVE)"
 
 # Ray Serve (the `delspec[ray]` extra, for `delspec serve --replicas N`); CI runs it before
 # `make test`, whose replica tests skip without it.
