@@ -19,7 +19,7 @@ from delspec.bench.backends import load_transformers_model
 from delspec.checkpoint import build_model
 from delspec.errors import ModelFormatError
 from delspec.loading import load_model
-from delspec.named_models import NAMED_MODELS, NamedModel, named_model_path
+from delspec.named_models import NAMED_MODELS, NamedModel, named_model_of, named_model_path
 
 SHAPES = [
     dict(),
@@ -105,6 +105,26 @@ def test_assembled_named_model_is_built_once_into_the_cache(tmp_path: Path, monk
     again = named_model_path("fake")
     assert again != path and again.read_bytes() == b"GGUF"
     assert [again.parent] == list((tmp_path / "cache" / "models").iterdir())  # old one removed
+
+
+def test_asking_whether_a_file_is_a_named_model_assembles_nothing(tmp_path: Path, monkeypatch):
+    """A user's own file is told apart from the named models without assembling any of them
+    (the real Gemma-3-270M would cost a new user a 253 MB file); an assembled file is known."""
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "fake_chunked_model").mkdir()
+    (tmp_path / "fake_chunked_model" / "__init__.py").write_text(CHUNKED_PACKAGE)
+    monkeypatch.syspath_prepend(tmp_path)
+    fake = NamedModel("fake_chunked_model", "m.gguf", "pip install fake-model==1.0", "assemble")
+    monkeypatch.setitem(NAMED_MODELS, "fake", fake)
+    mine = tmp_path / "m.gguf"
+    mine.write_bytes(b"GGUF")
+    module = sys.modules.get("fake_chunked_model")
+    calls = len(module.calls) if module else 0
+    assert named_model_of(mine) is None
+    assert not (tmp_path / "cache" / "models").exists()
+    module = sys.modules.get("fake_chunked_model")
+    assert (len(module.calls) if module else 0) == calls
+    assert named_model_of(named_model_path("fake")) == "fake"
 
 
 # --- the real Gemma-3-270M ----------------------------------------------------------------------

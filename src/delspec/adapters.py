@@ -26,7 +26,7 @@ from delspec.cache import cache_dir, write_atomically
 from delspec.errors import ModelFormatError
 from delspec.loading import LoadedModel
 from delspec.model import Transformer
-from delspec.named_models import NAMED_MODELS, named_model_path
+from delspec.named_models import named_model_of
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"
@@ -197,15 +197,8 @@ def default_adapters_path(lm: LoadedModel) -> Path:
 
 @functools.cache
 def _is_named_model(source: Path) -> bool:
-    """Whether `source` is a named model's file (cached: looking the names up takes ~0.7 ms, and
-    a draft head asks every generation)."""
-    for name in NAMED_MODELS:
-        try:
-            if named_model_path(name).resolve() == source.resolve():
-                return True
-        except ModelFormatError:  # not installed
-            continue
-    return False
+    """Whether `source` is a named model's file (cached: a draft head asks every generation)."""
+    return named_model_of(source) is not None
 
 
 def find_adapters(lm: LoadedModel) -> Path | None:

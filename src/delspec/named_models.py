@@ -64,6 +64,25 @@ def named_model_path(name: str) -> Path:
     )
 
 
+def named_model_of(path: Path) -> str | None:
+    """The name of the named model whose file `path` is, or None. A lookup only: it never
+    assembles a model's file (an assembled file is recognised by where the cache keeps it)."""
+    path = Path(path).resolve()
+    for name, entry in NAMED_MODELS.items():
+        if path.name != entry.filename:
+            continue
+        if entry.assemble is not None:
+            models = (cache_dir() / "models").resolve()
+            if path.parent.parent == models and path.parent.name.startswith(f"{entry.package}-"):
+                return name
+            continue
+        spec = importlib.util.find_spec(entry.package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(location) / entry.filename).resolve() == path:
+                return name
+    return None
+
+
 def _assemble(name: str, path: Path) -> None:
     """Have the package of named model `name` write its file to `path`."""
     entry = NAMED_MODELS[name]
