@@ -173,6 +173,7 @@ def test_attention_takes_a_column_major_projection():
 FAMILIES = {
     "llama": {},
     "qwen2 (q/k/v bias)": {"family": "qwen2"},
+    "qwen3 (head norms)": {"family": "qwen3"},
     "gemma3 (head norms, sandwich norms, GELU, sliding window)": {
         "family": "gemma3_text",
         "sliding_window": 4,

@@ -7,7 +7,14 @@ import copy
 import pytest
 import torch
 from tiny_models import HF_SHAPE, tiny_hf_llama, tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from delspec.architectures import config_from_hf
 from delspec.checkpoint import build_model
@@ -36,6 +43,7 @@ SHAPES = [
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=1, rope_scaling=LLAMA3_ROPE)),
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32)),  # head norms
 ]
 
 

@@ -18,7 +18,7 @@ class Family:
     """What distinguishes one architecture family from the plain Llama layout."""
 
     qkv_bias: bool = False
-    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3, Qwen3)
     sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     activation: str = "silu"  # "silu" or "gelu_tanh"
@@ -30,6 +30,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
     "gemma3_text": Family(
         qk_norm=True,
         sandwich_norm=True,

@@ -158,6 +158,9 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         if isinstance(value, str) and architecture in value:
             value = value.replace(architecture, renamed)
         values[target] = value
+    key_length = header.metadata.get(f"{architecture}.attention.key_length")
+    if key_length is not None and "head_dim" not in values:  # Qwen3's differs from hidden / heads
+        values["head_dim"] = int(key_length)
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
     tokens = header.metadata.get("tokenizer.ggml.tokens")

@@ -1,0 +1,44 @@
+"""Every strategy is lossless on every supported family's layout, in float and on GGUF blocks:
+what an early exit means (the final norm and head over a layer's hidden state) is the same
+contract whatever the layer holds (head norms, q/k/v bias, sandwich norms, sliding windows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from delspec.decoding import decode_tokens
+from delspec.policies import STRATEGIES, make_policy
+
+FAMILIES = {
+    "llama": {},
+    "qwen2": {"family": "qwen2"},
+    "qwen3": {"family": "qwen3", "head_dim": 24},
+    "gemma3_text": {
+        "family": "gemma3_text",
+        "sliding_window": 4,
+        "layer_types": ("sliding_attention",) * 5 + ("full_attention",),
+        "rope_local_theta": 10000.0,
+    },
+}
+OPTIONS = {
+    "static": dict(exit_layer=2, draft_length=4),
+    "fs": dict(exit_layer=2, draft_length=2),
+    "dv": dict(exit_layer=2),
+    "del-fast": dict(warmup=4),
+    "lookup": dict(ngram_min=1),
+}
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["float", "blocks"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_strategy_matches_ar(family, blocks):
+    model = tiny_model(seed=1, shallow=2, blocks=blocks, **FAMILIES[family])
+    assert model.config.family == family
+    prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=24)
+    for strategy in sorted(set(STRATEGIES) - {"ar"}):
+        policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
+        got = decode_tokens(model, prompt, policy, max_new_tokens=24)
+        assert got.token_ids == expected.token_ids, strategy
