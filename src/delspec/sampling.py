@@ -104,7 +104,7 @@ class Sampling:
     def adjusted(self, logits: Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()):
         """`logits` (`[..., vocab]`, every row after the same tokens) with the bias and the
         penalties of a position after `prompt` and `output` (the generated tokens before it)."""
-        z = logits.double() if logits.dtype == torch.float64 else logits.float().clone()
+        z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
         for token, bias in self.logit_bias:
             z[..., token] += bias
         if self.repetition_penalty != 1.0:

@@ -15,6 +15,8 @@ from delspec.cli.arguments import (
     model_arguments,
     positive_int,
     positive_number,
+    sampling_control_arguments,
+    sampling_controls,
 )
 from delspec.errors import ConfigError, DelspecError
 
@@ -32,6 +34,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    sampling_control_arguments(gen)
     gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -52,7 +55,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from delspec.sampling import Sampling
 
     config = decode_config(args)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = Sampling(
+        args.temperature, args.top_k, args.top_p, args.seed, **sampling_controls(args)
+    )
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     lm = load(args)
     console = Console(highlight=False, soft_wrap=True)
