@@ -178,42 +178,48 @@ def test_stop_strings_and_sampling_options(tiny_url: str, reference: LoadedModel
         assert answer(tiny_url, TEXT, {**body, **options}) == (sampled.text, sampled.finish_reason)
 
 
-# Each control with a value that changes the tiny model's reply (checked below), at a seed.
-CONTROLS: list[tuple[str, Any]] = [
-    ("frequency_penalty", 2.0),
-    ("presence_penalty", -2.0),
-    ("logit_bias", {"13": 100}),
-    ("min_p", 0.5),
-    ("repetition_penalty", 3.0),
+SEEDED = {"temperature": 1.5, "seed": 3}
+# greedy, all token 1000s (a penalty makes 1001 win after a 1000)
+REPEATING = {"temperature": 0.0, "logit_bias": {"1000": 100, "1001": 99}}
+# Each control, with a value that changes the tiny model's reply after `base` (checked below).
+CONTROLS: list[tuple[str, Any, dict[str, Any]]] = [
+    ("frequency_penalty", 2.0, REPEATING),
+    ("presence_penalty", 2.0, REPEATING),
+    ("repetition_penalty", 3.0, REPEATING),
+    ("logit_bias", {"1000": 100}, SEEDED),
+    ("min_p", 0.5, SEEDED),
 ]
 
 
-@pytest.mark.parametrize(("field", "value"), CONTROLS)
+@pytest.mark.parametrize(("field", "value", "base"), CONTROLS)
 def test_sampling_controls_through_the_openai_client(
-    tiny_url: str, reference: LoadedModel, field: str, value: Any
+    tiny_url: str, reference: LoadedModel, field: str, value: Any, base: dict[str, Any]
 ) -> None:
     """Each control, through the openai client (vLLM's as `extra_body`), gives `generate`'s
     text with the same `Sampling`, and another text than without it."""
     client = openai.OpenAI(base_url=tiny_url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
-    prompt, n = "Once upon a time", 16
-    base = {"temperature": 1.5, "seed": 3}
+    n = 16
 
-    def expected(options: dict[str, Any]) -> str:
-        sampling = Sampling(**options)
-        return generate(reference, MESSAGES, sampling=sampling, max_new_tokens=n).text
+    def expected(prompt: Any, options: dict[str, Any]) -> str:
+        sampling = Sampling(**options)  # (it takes JSON's token id strings too)
+        return generate(reference, prompt, sampling=sampling, max_new_tokens=n).text
 
-    with_field = expected({**base, field: value})  # (`Sampling` takes JSON's id strings too)
-    assert with_field != expected(base)
+    assert expected(MESSAGES, {**base, field: value}) != expected(MESSAGES, base)
     openai_field = field in ("frequency_penalty", "presence_penalty", "logit_bias")
     args: dict[str, Any] = {field: value} if openai_field else {"extra_body": {field: value}}
-    chat = client.chat.completions.create(messages=MESSAGES, max_tokens=n, **base, **args)
-    assert chat.choices[0].message.content == with_field
-    text = client.completions.create(prompt=prompt, max_tokens=n, **base, **args)
-    sampling = Sampling(**base, **{field: value})
-    assert (
-        text.choices[0].text
-        == generate(reference, prompt, sampling=sampling, max_new_tokens=n).text
-    )
+    args.update(base)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=n, **args)
+    assert chat.choices[0].message.content == expected(MESSAGES, {**base, field: value})
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=n, **args)
+    assert text.choices[0].text == expected("Once upon a time", {**base, field: value})
+
+
+def test_unsupported_fields_at_their_neutral_values_are_accepted(tiny_url: str) -> None:
+    neutral = {"modalities": ["text"], "tool_choice": "none", "response_format": {"type": "text"}}
+    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, **neutral}
+    assert httpx.post(tiny_url + CHAT, json=body, timeout=TIMEOUT).status_code == 200
+    body = {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None}
+    assert httpx.post(tiny_url + TEXT, json=body, timeout=TIMEOUT).status_code == 200
 
 
 def test_seeded_sampling_gives_ar_s_text_under_every_strategy_in_a_batch(
