@@ -281,6 +281,7 @@ def generate(
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
     """
     sampling = checked_sampling(sampling, options)
+    sampling.check_vocabulary(lm.model.config.vocab_size)
     config = (config or DecodeConfig()).updated(**options)
     text = TextDecoding(
         lm,

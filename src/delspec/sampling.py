@@ -88,6 +88,14 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """`ConfigError` for a `logit_bias` token id outside a vocabulary of `vocab_size`."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise ConfigError(
+                f"logit_bias token id {bad} is not in the vocabulary 0..{vocab_size - 1}"
+            )
+
     @property
     def adjusts(self) -> bool:
         """Whether logits are biased or penalised before anything else."""
@@ -193,11 +201,7 @@ class Sampler:
         self.vocab_size = vocab_size
         seed = secrets.randbits(64) if s.seed is None else s.seed & MASK
         self.seed_key = _mix_int(seed)
-        bad = next((t for t, _ in s.logit_bias if t >= vocab_size), None)
-        if bad is not None:
-            raise ConfigError(
-                f"logit_bias token id {bad} is not in the vocabulary 0..{vocab_size - 1}"
-            )
+        s.check_vocabulary(vocab_size)
         self._counts = self._seen = self._bias = None
         self._ids = np.zeros(0, dtype=np.int64)  # tokens whose logits are adjusted
         if s.adjusts:

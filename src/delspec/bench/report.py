@@ -83,13 +83,25 @@ def _heading(result: BenchResult) -> list[str]:
         f"{result.model['device']} · {result.model['layers']} layers{_bandwidth(env)}",
         "",
         f"{settings['prompts']} prompts ({_origin(settings)})"
-        f"{', as chat messages' if settings['chat'] else ''}, greedy, at most "
+        f"{', as chat messages' if settings['chat'] else ''}, {_decoding(settings)}, at most "
         f"{settings['max_new_tokens']} new tokens; methods interleaved per prompt.",
         "",
     ]
     if not result.ok:
         lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
     return lines
+
+
+def _decoding(settings: dict) -> str:
+    """ "greedy", or the sampling settings (older results have none: greedy)."""
+    sampling = settings.get("sampling")
+    if not sampling:
+        return "greedy"
+    top = f", top-k {sampling['top_k']}" if sampling["top_k"] else ""
+    return (
+        f"sampled (temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}{top}; "
+        "each prompt seeded with its index)"
+    )
 
 
 def _bandwidth(env: dict) -> str:

@@ -351,6 +351,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send each prompt as a user message through the model's chat template",
     )
+    bench.add_argument(
+        "--temperature", type=float, default=0.0, help="sample every method (peers too) at "
+        "this temperature, each prompt seeded with its index (0 = greedy, default)",
+    )  # fmt: skip
+    bench.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1)")
+    bench.add_argument("--top-k", type=int, default=0, help="with --temperature (0 = off)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     bench.set_defaults(func=cmd_bench)
 
@@ -367,6 +373,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = select_prompts(
         tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
     )
+    from delspec.sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     result = run_bench(
         load(args),
         methods,
@@ -376,6 +385,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         min_seconds=args.min_seconds,
         chat=args.chat,
+        sampling=sampling,
     )
     paths = write_report(result, args.out)
     print("\n".join(summary_lines(result)))
