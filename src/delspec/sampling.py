@@ -290,7 +290,7 @@ class Sampler:
             values = z[columns]
             if not s.truncates:
                 break
-            order = np.argsort(-values, kind="stable")  # ties: the lower token id first
+            order = np.argsort(-values, kind="stable")  # ties: the lower column (id) first
             values, columns = values[order], columns[order]
             kept = self._kept(values, top, total, len(columns) == len(z))
             if kept is not None:
