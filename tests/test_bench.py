@@ -470,7 +470,9 @@ def test_sampled_runs_give_every_delspec_method_ar_s_tokens(tiny_dir, tmp_path, 
     assert ar_texts != [r["text"] for r in greedy["records"] if r["method"] == "ar"]
     hf_texts = [r["text"] for r in records if r["method"] == "hf"]
     assert hf_texts != [r["text"] for r in greedy["records"] if r["method"] == "hf"]
-    assert "sampled (temperature 30, top-p 0.99" in (tmp_path / "out" / "table.md").read_text()
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "sampled (temperature 30, top-p 0.99" in table
+    assert "| hf (own draws) |" in table and "their own random draws" in table
     assert bench(tiny_dir, tmp_path / "bad", *args, "--temperature", "0.5", "--top-p", "0") == 2
     assert "top_p must be in" in capsys.readouterr().err
 
