@@ -451,6 +451,32 @@ def test_short_runs_are_timed_until_they_add_up_to_min_seconds(tiny_dir, tmp_pat
     assert "min_seconds must be a number >= 0" in capsys.readouterr().err
 
 
+def test_sampled_runs_give_every_delspec_method_ar_s_tokens(tiny_dir, tmp_path, capsys):
+    """`--temperature`/`--top-p`: every method samples (seeded per prompt), delspec's own
+    still give `ar`'s tokens, and the settings are recorded."""
+    args = ["--tasks", "gsm8k,summarization", "--num-samples", "1"]
+    args += ["--methods", "ar,del,static:E=2,d=3,hf"]
+    assert bench(tiny_dir, tmp_path / "greedy", *args) == 0
+    assert bench(tiny_dir, tmp_path / "out", *args, "--temperature", "30", "--top-p", "0.99") == 0
+    greedy = json.loads((tmp_path / "greedy" / "results.json").read_text())
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["settings"]["sampling"] == {
+        "temperature": 30.0, "top_k": 0, "top_p": 0.99, "seeds": "prompt index"
+    }  # fmt: skip
+    records = results["records"]
+    own = [r for r in records if r["method"] != "hf"]
+    assert own and all(r["lossless"] for r in own)
+    ar_texts = [r["text"] for r in records if r["method"] == "ar"]
+    assert ar_texts != [r["text"] for r in greedy["records"] if r["method"] == "ar"]
+    hf_texts = [r["text"] for r in records if r["method"] == "hf"]
+    assert hf_texts != [r["text"] for r in greedy["records"] if r["method"] == "hf"]
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "sampled (temperature 30, top-p 0.99" in table
+    assert "| hf (own draws) |" in table and "their own random draws" in table
+    assert bench(tiny_dir, tmp_path / "bad", *args, "--temperature", "0.5", "--top-p", "0") == 2
+    assert "top_p must be in" in capsys.readouterr().err
+
+
 def test_chat_sends_each_prompt_through_the_chat_template(tiny_dir, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     args = ("--tasks", "mtbench", "--num-samples", "1", "--methods", "ar,del", "--chat")

@@ -73,6 +73,29 @@ def test_int8_drafts_from_the_command_line_match_ar(smollm2, capsys):
     assert "expected on, off or auto, got 'maybe'" in capsys.readouterr().err
 
 
+def test_sampling_controls_from_the_command_line_give_generate_s_tokens(smollm2, capsys):
+    """The controls' flags are `Sampling`'s fields; the seeded output is the same whatever
+    the strategy."""
+    from delspec import generate
+    from delspec.sampling import Sampling
+
+    controls = dict(
+        temperature=0.9, top_p=0.95, seed=4, min_p=0.05, frequency_penalty=0.7,
+        presence_penalty=0.2, repetition_penalty=1.3, logit_bias={198: -100, 30: 5},
+    )  # fmt: skip
+    expected = generate(
+        smollm2, "The sea", strategy="ar", sampling=Sampling(**controls), max_new_tokens=12
+    )
+    argv = ["generate", "The sea", "--max-new-tokens", "12", "--json", "--temperature", "0.9"]
+    argv += ["--top-p", "0.95", "--seed", "4", "--min-p", "0.05", "--frequency-penalty", "0.7"]
+    argv += ["--presence-penalty", "0.2", "--repetition-penalty", "1.3"]
+    argv += ["--logit-bias", "198=-100", "--logit-bias", "30=5"]
+    assert main(argv) == 0  # del-fast
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected.token_ids
+    assert main([*argv, "--strategy", "ar"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected.token_ids
+
+
 def test_generate_streams_text_and_a_summary(smollm2, capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
     captured = capsys.readouterr()
@@ -97,6 +120,11 @@ def test_info(smollm2, capsys):
         (["generate", "x", "--strategy", "static", "--draft-length", "0"], "draft length"),
         (["generate", "x", "--temperature", "-1"], "temperature"),
         (["generate", "x", "--temperature", "0.5", "--top-p", "2"], "top_p"),
+        (["generate", "x", "--min-p", "-0.5"], "min_p must be in"),
+        (["generate", "x", "--frequency-penalty", "9"], "frequency_penalty must be in"),
+        (["generate", "x", "--repetition-penalty", "0"], "repetition_penalty must be"),
+        (["generate", "x", "--logit-bias", "5=200"], "logit_bias values"),
+        (["generate", "x", "--logit-bias", "999999=1"], "not in the vocabulary"),
         (["generate", "", "--chat"], "the chat message is empty"),
         (["generate", "x", "--weights", "bogus"], "use one of native, int8, float, auto"),
         (["generate", "x", "--strategy", DEFAULT_STRATEGY, "--exit-layer", "3"], "exit_layer"),
@@ -118,6 +146,7 @@ def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
         (["serve", "--threads", "-2"], "--threads: expected an integer >= 1, got '-2'"),
         (["generate", "x", "--exit-layer", "0"], "--exit-layer: expected an integer >= 1"),
         (["generate", "x", "--stop", ""], "--stop: a stop string must not be empty"),
+        (["generate", "x", "--logit-bias", "5"], "--logit-bias: expected TOKEN_ID=BIAS"),
         (["serve", "--max-body-mb", "0"], "--max-body-mb: expected a number > 0, got '0'"),
         (["serve", "--prefill-chunk", "0"], "--prefill-chunk: expected an integer >= 1"),
         (["bench-serve", "--soak", "0"], "--soak: expected a number > 0, got '0'"),

@@ -69,3 +69,19 @@ def test_chat_generation_answers(smollm2):
     result = generate(smollm2, question, chat=True, max_new_tokens=12)
     assert "Paris" in result.text
     assert result.stats.new_tokens == len(result.token_ids) <= 12
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_seeded_sampling_is_identical_to_autoregressive(smollm2, strategy):
+    """Same seed, same text: sampled (T=0.7, top-p 0.9) output of every strategy, on two
+    threads, is `ar`'s on one."""
+    for i, prompt in enumerate(PROMPTS):
+        seeded = dict(temperature=0.7, top_p=0.9, seed=i)
+        expected = generate(smollm2, prompt, strategy="ar", max_new_tokens=NEW_TOKENS, **seeded)
+        torch.set_num_threads(2)
+        try:
+            options = {**OPTIONS.get(strategy, {}), **seeded}
+            got = generate(smollm2, prompt, strategy=strategy, max_new_tokens=NEW_TOKENS, **options)
+        finally:
+            torch.set_num_threads(1)
+        assert got.token_ids == expected.token_ids, (prompt, expected.text, got.text)

@@ -1,22 +1,26 @@
-"""Sampling: parameter checks, and speculative sampling keeps the target distribution."""
+"""Sampling: parameter checks, draws that follow the processed distribution's definition with
+every control, and speculation that keeps it (the same tokens as `ar` with the same seed)."""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 from test_context_drafts import Scripted
-from test_lossless import AtLevel
+from test_lossless import POLICIES, AtLevel
 from tiny_models import tiny_model
 
+from delspec import sampling as sampling_module
 from delspec.decoding import decode_tokens
 from delspec.draft_head import DraftHead
 from delspec.errors import ConfigError
 from delspec.policies import make_policy
-from delspec.sampling import Sampling, greedy_tokens
+from delspec.sampling import Sampler, Sampling, greedy_tokens
 
 VOCAB, NEW, SAMPLES = 6, 3, 2000
 SIGNIFICANCE = 0.001  # a correct sampler fails this test with probability 0.1%
@@ -29,6 +33,15 @@ SIGNIFICANCE = 0.001  # a correct sampler fails this test with probability 0.1%
         (dict(temperature=0.7, top_p=0.0), "top_p"),
         (dict(temperature=0.7, top_p=1.5), "top_p"),
         (dict(temperature=0.7, top_k=-2), "top_k"),
+        (dict(temperature=0.7, min_p=1.5), "min_p"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(presence_penalty=-3), "presence_penalty"),
+        (dict(presence_penalty="high"), "presence_penalty must be a number"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logit_bias={3: 101}), "logit_bias values"),
+        (dict(logit_bias={-1: 5}), "logit_bias keys"),
+        (dict(logit_bias={"x": 5}), "logit_bias keys"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
 )
 def test_invalid_sampling_parameters(kwargs, message):
@@ -57,14 +70,103 @@ def test_greedy_tokens_are_torch_argmax_with_the_first_of_ties(dtype):
     assert greedy_tokens(scores)[1:3].tolist() == [7, 0]
 
 
+def test_logit_bias_keys_may_be_digit_strings_and_a_bias_outside_the_vocabulary_is_refused():
+    sampling = Sampling(0.5, logit_bias={"7": -100, 2: 1.5})
+    assert sampling.logit_bias == ((2, 1.5), (7, -100.0))
+    with pytest.raises(ConfigError, match="logit_bias token id 7 is not in the vocabulary"):
+        Sampler(sampling, 7, [1])
+
+
+def test_penalties_and_bias_follow_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    s = Sampling(
+        0.5, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0,
+        logit_bias={4: 10.0},
+    )  # fmt: skip
+    # token 0 in the prompt: repetition only; 2 twice and 1 once in the output: all penalties
+    got = s.adjusted(logits, prompt=[0], output=[2, 1, 2]).tolist()
+    assert got == pytest.approx([1.0, -2.0 - 0.75, 0.25 - 1.25, 3.0, 8.0])
+
+
+CONTROLS = [
+    dict(temperature=0.8),
+    dict(temperature=1.3, top_p=0.6),
+    dict(temperature=0.7, top_k=3),
+    dict(temperature=1.0, min_p=0.15),
+    dict(temperature=0.9, top_k=7, top_p=0.85, min_p=0.02),
+    dict(
+        temperature=1.1, top_p=0.95, frequency_penalty=0.6, presence_penalty=-0.4,
+        repetition_penalty=1.4, logit_bias={0: 1.5, 5: -100},
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("deltas", [None, (0.5, 1.0, math.inf)])
+@pytest.mark.parametrize("settings", CONTROLS)
+def test_draws_follow_the_definition_over_the_whole_vocabulary(settings, deltas, monkeypatch):
+    """Many positions' draws from one row of logits: their counts fit `Sampling.probs`. With
+    narrow candidate sets (`deltas`), kept sets reach past the first candidates (widened) and
+    pure temperature draws from the tail item."""
+    if deltas:
+        monkeypatch.setattr(sampling_module, "DELTAS", deltas)
+    vocab, draws = 24, 6000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    prompt, output, before = [3, 9], [9, 2, 2], [4]
+    sampling = Sampling(**settings, seed=11)
+    exact = sampling.probs(logits, prompt, output + before).numpy()
+    sampler = Sampler(sampling, vocab, prompt)
+    sampler.add(output)
+    counts = np.zeros(vocab)
+    for position in range(draws):
+        token, p = sampler.draw(logits.numpy(), position, before)
+        counts[token] += 1
+        assert p == pytest.approx(exact[token])
+    assert not counts[exact == 0].any()
+    common = exact * draws >= 5
+    rare = (exact > 0) & ~common  # pooled as one cell, if any
+    pooled = [rare.any()] if rare.any() else []
+    observed = [*counts[common], *[counts[rare].sum() for _ in pooled]]
+    expected = [*(exact[common] * draws), *[exact[rare].sum() * draws for _ in pooled]]
+    assert chisquare(observed, expected).pvalue > SIGNIFICANCE
+
+
+def test_a_nucleus_reaching_past_the_first_candidates_is_widened_not_cut(monkeypatch):
+    """Candidates within 1 of the top logit (tokens 0 and 1) hold 75% of the mass; top-p 0.9
+    keeps 19 more (ties in id order), and every kept token is drawn."""
+    monkeypatch.setattr(sampling_module, "DELTAS", (1.0, 2.0, math.inf))
+    logits = torch.tensor([4.0, 3.5] + [0.0] * 30 + [-30.0] * 8, dtype=torch.float64)
+    sampling = Sampling(1.0, top_p=0.9, seed=0)
+    kept = set(np.flatnonzero(sampling.probs(logits).numpy()).tolist())
+    assert kept == set(range(21))
+    sampler = Sampler(sampling, len(logits), [])
+    assert {sampler.draw(logits.numpy(), position)[0] for position in range(3000)} == kept
+
+
+def test_a_draw_is_a_function_of_seed_position_and_distribution():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2)).numpy()
+    sampling = Sampling(0.8, top_p=0.95, seed=5)
+    a, b = Sampler(sampling, 300, [1, 2]), Sampler(sampling, 300, [7])
+    tokens = [a.draw(logits, p)[0] for p in range(50)]
+    assert tokens == [b.draw(logits, p)[0] for p in range(50)]  # another history, same draws
+    assert tokens == [a.draw(logits, p)[0] for p in range(50)]  # drawing again changes nothing
+    other = Sampler(Sampling(0.8, top_p=0.95, seed=6), 300, [1, 2])
+    assert tokens != [other.draw(logits, p)[0] for p in range(50)]
+    # the draws over a vocabulary given as columns are those of the same logits by token id
+    order = np.random.default_rng(0).permutation(300)
+    assert tokens == [a.draw(logits[order], p, vocab=order)[0] for p in range(50)]
+    unseeded = Sampling(0.8, top_p=0.95)
+    first = [Sampler(unseeded, 300, []).draw(logits, p)[0] for p in range(50)]
+    assert first != [Sampler(unseeded, 300, []).draw(logits, p)[0] for p in range(50)]
+
+
 def exact_distribution(model, prompt, sampling):
     """P(x1..xN | prompt) for every continuation, from full forward passes."""
     probs = {}
     model.setup_cache(16)
     for seq in itertools.product(range(VOCAB), repeat=NEW):
         logits = model(torch.tensor(prompt + list(seq[:-1])))[len(prompt) - 1 :]
-        p = sampling.probs(logits)
-        probs[seq] = float(torch.prod(p[torch.arange(NEW), torch.tensor(seq)]))
+        p = [sampling.probs(logits[i], prompt, seq[:i])[seq[i]] for i in range(NEW)]
+        probs[seq] = float(torch.prod(torch.stack(p)))
     return probs
 
 
@@ -87,9 +189,31 @@ def exact_distribution(model, prompt, sampling):
     ],
 )
 def test_speculative_sampling_keeps_the_target_distribution(strategy, options, draft_vocab, int8):
+    check_distribution(strategy, options, draft_vocab, int8, dict(temperature=0.9, top_k=5))
+
+
+@pytest.mark.parametrize(
+    "strategy,options,int8",
+    [
+        ("ar", {}, False),
+        ("static", dict(exit_layer=2, draft_length=2), True),
+        ("del", {}, False),
+        ("lookup", dict(ngram_min=1, draft_length=2), False),
+    ],
+)
+def test_speculation_keeps_the_distribution_with_every_control(strategy, options, int8):
+    controls = dict(
+        temperature=1.1, top_p=0.9, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.3,
+        repetition_penalty=1.3, logit_bias={2: 1.0},
+    )  # fmt: skip
+    check_distribution(strategy, options, None, int8, controls)
+
+
+def check_distribution(strategy, options, draft_vocab, int8, settings):
+    """Continuations of every strategy's seeded runs (one seed each) fit the exact
+    distribution of NEW tokens (chi-square)."""
     model = tiny_model(seed=7, shallow=2, residual_scale=0.3, vocab_size=VOCAB)
     prompt = [1, 4, 2]
-    settings = dict(temperature=0.9, top_k=5)
     exact = exact_distribution(model, prompt, Sampling(**settings))
     if options.get("exit_layer") == -1:
         options = {**options, "exit_layer": model.num_layers}
@@ -126,10 +250,44 @@ def test_speculative_sampling_keeps_the_target_distribution(strategy, options, d
     # Pool rare continuations so every chi-square cell expects at least 5 samples.
     cells = sorted(exact, key=exact.get, reverse=True)
     common = [c for c in cells if exact[c] * SAMPLES >= 5]
-    rare = [c for c in cells if exact[c] * SAMPLES < 5]
-    observed = [counts[c] for c in common] + [sum(counts[c] for c in rare)]
-    expected = [exact[c] * SAMPLES for c in common] + [sum(exact[c] for c in rare) * SAMPLES]
+    rare = [c for c in cells if 0 < exact[c] * SAMPLES < 5]
+    observed = [counts[c] for c in common] + ([sum(counts[c] for c in rare)] if rare else [])
+    expected = [exact[c] * SAMPLES for c in common]
+    expected += [sum(exact[c] for c in rare) * SAMPLES] if rare else []
     assert sum(counts.values()) == SAMPLES
     assert set(counts) <= {c for c in exact if exact[c] > 0}
     scale = SAMPLES / sum(expected)
     assert chisquare(observed, [e * scale for e in expected]).pvalue > SIGNIFICANCE
+
+
+SEEDED = [
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=8, min_p=0.05, repetition_penalty=1.2, logit_bias={5: 2.0}),
+    dict(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.3, logit_bias={7: -100}),
+]
+
+
+@pytest.mark.parametrize("strategy", sorted(POLICIES))
+@pytest.mark.parametrize("int8", [False, True])
+def test_seeded_output_is_ar_s_under_every_strategy(strategy, int8):
+    """Same seed, same tokens: every strategy (drafting from any layer, int8 drafts, pruned
+    draft vocabularies, context drafts) commits `ar`'s tokens, with every control (penalised
+    greedy decoding included)."""
+    drafted = 0
+    for seed, settings in enumerate(SEEDED):
+        model = tiny_model(seed=seed, shallow=2, residual_scale=0.3)
+        vocab = torch.arange(0, 64, 2) if seed % 2 else None  # a pruned draft vocabulary
+        prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
+        sampling = Sampling(**settings, seed=100 + seed)
+        ar = decode_tokens(
+            model, prompt.tolist(), make_policy("ar", 4), sampling=sampling, max_new_tokens=40
+        )
+        policy = make_policy(strategy, model.num_layers, **POLICIES[strategy])
+        head = DraftHead(model, vocab=vocab, int8=int8)
+        out = decode_tokens(
+            model, prompt.tolist(), policy, sampling=sampling, max_new_tokens=40, exit_head=head
+        )
+        assert out.token_ids == ar.token_ids, (seed, settings)
+        drafted += out.stats.drafted
+    assert drafted > 0 or (strategy == "del-fast" and int8)  # (it finds int8 drafts too dear)

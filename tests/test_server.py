@@ -178,6 +178,71 @@ def test_stop_strings_and_sampling_options(tiny_url: str, reference: LoadedModel
         assert answer(tiny_url, TEXT, {**body, **options}) == (sampled.text, sampled.finish_reason)
 
 
+SEEDED = {"temperature": 1.5, "seed": 3}
+# greedy, all token 1000s (a penalty makes 1001 win after a 1000)
+REPEATING = {"temperature": 0.0, "logit_bias": {"1000": 100, "1001": 99}}
+# Each control, with a value that changes the tiny model's reply after `base` (checked below).
+CONTROLS: list[tuple[str, Any, dict[str, Any]]] = [
+    ("frequency_penalty", 2.0, REPEATING),
+    ("presence_penalty", 2.0, REPEATING),
+    ("repetition_penalty", 3.0, REPEATING),
+    ("logit_bias", {"1000": 100}, SEEDED),
+    ("min_p", 0.5, SEEDED),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "base"), CONTROLS)
+def test_sampling_controls_through_the_openai_client(
+    tiny_url: str, reference: LoadedModel, field: str, value: Any, base: dict[str, Any]
+) -> None:
+    """Each control, through the openai client (vLLM's as `extra_body`), gives `generate`'s
+    text with the same `Sampling`, and another text than without it."""
+    client = openai.OpenAI(base_url=tiny_url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+    n = 16
+
+    def expected(prompt: Any, options: dict[str, Any]) -> str:
+        sampling = Sampling(**options)  # (it takes JSON's token id strings too)
+        return generate(reference, prompt, sampling=sampling, max_new_tokens=n).text
+
+    assert expected(MESSAGES, {**base, field: value}) != expected(MESSAGES, base)
+    openai_field = field in ("frequency_penalty", "presence_penalty", "logit_bias")
+    args: dict[str, Any] = {field: value} if openai_field else {"extra_body": {field: value}}
+    args.update(base)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=n, **args)
+    assert chat.choices[0].message.content == expected(MESSAGES, {**base, field: value})
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=n, **args)
+    assert text.choices[0].text == expected("Once upon a time", {**base, field: value})
+
+
+def test_unsupported_fields_at_their_neutral_values_are_accepted(tiny_url: str) -> None:
+    neutral = {"modalities": ["text"], "tool_choice": "none", "response_format": {"type": "text"}}
+    body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, **neutral}
+    assert httpx.post(tiny_url + CHAT, json=body, timeout=TIMEOUT).status_code == 200
+    body = {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None}
+    assert httpx.post(tiny_url + TEXT, json=body, timeout=TIMEOUT).status_code == 200
+
+
+def test_seeded_sampling_gives_ar_s_text_under_every_strategy_in_a_batch(
+    tiny_url: str, reference: LoadedModel
+) -> None:
+    """Concurrent seeded requests, one per strategy (batched by the server where it can), each
+    get the text `ar` gives alone with that seed."""
+    strategies = ["ar", "del", "del-fast", "lookup", "static", "dele"]
+    prompt, n = "One two three one two three one two", 24
+    options = {"temperature": 0.8, "top_p": 0.9, "frequency_penalty": 0.5}
+    expected = [
+        generate(reference, prompt, strategy="ar", max_new_tokens=n, seed=i, **options).text
+        for i in range(len(strategies))
+    ]
+
+    def ask(i: int) -> str:
+        body = {"prompt": prompt, "max_tokens": n, "seed": i, **options, "stream": i % 2 == 0}
+        return answer(tiny_url, TEXT, {**body, "delspec": {"strategy": strategies[i]}})[0]
+
+    with ThreadPoolExecutor(len(strategies)) as pool:
+        assert list(pool.map(ask, range(len(strategies)))) == expected
+
+
 def test_full_queue_answers_429_and_disconnects_free_the_engine(
     smollm2: LoadedModel, reference: LoadedModel
 ) -> None:
@@ -249,6 +314,26 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (CHAT, {"messages": MESSAGES, "stop": ["x", ""]}, 400, "stop", "non-empty"),
     (CHAT, {"messages": MESSAGES, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
     (CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", "n=2"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", "supported"),
+    (CHAT, {"messages": MESSAGES, "audio": {"voice": "x"}}, 400, "audio", "not supported"),
+    (CHAT, {"messages": MESSAGES, "modalities": ["audio"]}, 400, "modalities", "not supported"),
+    (
+        CHAT,
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "not supported",
+    ),
+    (CHAT, {"messages": MESSAGES, "frequency_penalty": 3}, 400, "frequency_penalty", "2"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": -2.5}, 400, "presence_penalty", "-2"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"99999": 1}}, 400, "logit_bias", "vocabulary"),
+    (CHAT, {"messages": MESSAGES, "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
+    (CHAT, {"messages": MESSAGES, "repetition_penalty": 0}, 400, "repetition_penalty", "0"),
+    (TEXT, {"prompt": "hi", "best_of": 2}, 400, "best_of", "not supported"),
+    (TEXT, {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    (TEXT, {"prompt": "hi", "suffix": "end"}, 400, "suffix", "not supported"),
     (TEXT, {"max_tokens": 3}, 400, "prompt", "missing"),
     (TEXT, {"prompt": 5}, 400, "prompt", "string or a list of token ids"),
     (TEXT, {"prompt": ""}, 400, "prompt", "empty"),

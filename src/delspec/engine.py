@@ -12,11 +12,12 @@ verification is then the full LM head over every unverified position (and every 
 those context tokens), which pays when the exit head is much cheaper (a pruned vocabulary). With an
 int8 exit head (`ExitHead.int8`), drafts run layers [0, E) on int8 weight copies; their states and
 cache entries are approximate, so verification runs every layer over every unverified position
-(their cache entries are then rewritten exactly). Acceptance is greedy (longest matching prefix
-plus the target's token) or speculative sampling (a context draft is one token with certainty:
-accepted with the target's probability of it). The engine knows no policy: it is told the context
-tokens, the exit layer and the draft cap, and asked after each draft token whether to go on and
-which context tokens, if any, to take instead.
+(their cache entries are then rewritten exactly). Acceptance is the longest prefix of drafts
+that are the target's own tokens, plus the target's next token: its greedy tokens, or under
+sampling its draws with noise keyed by the sequence's seed and position (`Sampler`, which drafts
+draw with too), so every strategy commits the tokens `ar` commits. The engine knows no policy:
+it is told the context tokens, the exit layer and the draft cap, and asked after each draft
+token whether to go on and which context tokens, if any, to take instead.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from delspec.errors import ConfigError
 from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.kernels.scores import top_logsumexp
 from delspec.model import Transformer
-from delspec.sampling import Sampling, draw, greedy_tokens, speculative_accept
+from delspec.sampling import Sampler, Sampling, as_rows, greedy_tokens
 
 
 class ExitHead:
@@ -172,7 +173,6 @@ class _Draft:
 
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)  # exit-head probability of each
-    probs: list[Tensor] = field(default_factory=list)  # each one's distribution, when sampling
     states: list[Tensor] = field(default_factory=list)  # per pass: layer-E states of its inputs
     early: list[Tensor] = field(default_factory=list)  # per pass: [E, inputs, hidden], collected
 
@@ -196,7 +196,7 @@ class Engine:
         self.sampling = sampling
         self.eos = frozenset(eos_token_ids)
         self.exit_head = exit_head or ExitHead(model)
-        self.generator = sampling.generator(model.device)
+        self.sampler: Sampler | None = None
         self.tokens: list[int] = []
         self._context: tuple[Tensor, Tensor] | None = None
         self.context_ngrams = context_ngrams
@@ -229,6 +229,9 @@ class Engine:
         layer: reserve `capacity` positions in its slot."""
         self.tokens = list(prompt)
         self._context = None
+        sampling = self.sampling
+        if not sampling.greedy or sampling.adjusts:
+            self.sampler = Sampler(sampling, self.model.config.vocab_size, prompt)
         ngrams = self.context_ngrams
         self.index = None if ngrams is None else ContextIndex(prompt, *ngrams)
         self.model.setup_cache(capacity, self.slot + 1)
@@ -236,6 +239,8 @@ class Engine:
     def commit(self, tokens: list[int]) -> None:
         """Append committed `tokens` to the sequence (and to what knows of it)."""
         self.tokens.extend(tokens)
+        if self.sampler is not None:
+            self.sampler.add(tokens)
         self.exit_head.admit(tokens)
         if self.index is not None:
             self.index.extend(tokens)
@@ -332,11 +337,6 @@ class Engine:
         """Add context `tokens` to `draft`, each drafted with certainty (probability 1)."""
         draft.tokens.extend(tokens)
         draft.confidences.extend([1.0] * len(tokens))
-        if tokens and not self.sampling.greedy:
-            vocab, dtype = self.model.config.vocab_size, _float(self.model.dtype)
-            certain = torch.zeros(len(tokens), vocab, dtype=dtype)
-            certain[torch.arange(len(tokens)), tokens] = 1.0
-            draft.probs.extend(certain.to(self.model.device))
 
     def _draft(
         self,
@@ -364,7 +364,7 @@ class Engine:
             draft.states.append(h)
             if layers is not None:
                 draft.early.append(torch.stack(layers))
-            token, confidence = self._draft_token(h[-1:], exit_layer, level, draft.probs)
+            token, confidence = self._draft_token(h[-1:], exit_layer, level, draft.tokens)
             draft.tokens.append(token)
             draft.confidences.append(confidence)
             if token in self.eos:
@@ -405,51 +405,41 @@ class Engine:
         return model.head(h), deep
 
     def _accept(self, logits: Tensor, draft: _Draft) -> tuple[Tensor, int, int]:
-        """The greedy targets after each position, how many drafts are accepted, and the token
-        that follows them (the target's, or one drawn by speculative sampling)."""
+        """The greedy targets after each position (the model's own), how many drafts are
+        accepted, and the token that follows them. A draft is accepted when it is the token
+        the target draws at its position (`Sampler.draw`: under sampling, with the noise of
+        the sequence's seed at that position), so the committed tokens are those `ar` commits."""
         targets = greedy_tokens(logits)
         n = len(draft.tokens)
-        if self.sampling.greedy:
+        if self.sampler is None:
             target_list = targets.tolist()
             accepted = next((i for i in range(n) if draft.tokens[i] != target_list[i]), n)
             return targets, accepted, target_list[accepted]
-        probs = self.sampling.probs(logits)
-        if n:
-            accepted, next_token = speculative_accept(
-                probs, torch.stack(draft.probs), draft.tokens, self.generator
-            )
-        else:
-            accepted, next_token = 0, draw(probs[0], self.generator)
-        return targets, accepted, next_token
+        rows, first = as_rows(logits), len(self.tokens)
+        for i in range(n + 1):  # each row's draw only until one differs from its draft
+            before = draft.tokens[:i]
+            token = self.sampler.draw(rows[i], first + i, before, confidence=False)[0]
+            if i == n or token != draft.tokens[i]:
+                return targets, i, token
+        raise AssertionError("unreachable")
 
     def _draft_token(
-        self, h: Tensor, exit_layer: int, level: int, draft_probs: list[Tensor]
+        self, h: Tensor, exit_layer: int, level: int, drafted: list[int]
     ) -> tuple[int, float]:
-        """Draw one draft token from the exit head; keeps its distribution when sampling."""
+        """One draft token from the exit head after the round's `drafted` tokens so far, and
+        its probability: the greedy one, or the draw `Sampler.draw` makes with the target's
+        noise at its position."""
         logits = self.exit_head(h, exit_layer, level)[0]
         vocab = self.exit_head.vocabs[level]
-        if self.sampling.greedy:  # the first of equal maxima, and its probability
+        if self.sampler is None:  # the first of equal maxima, and its probability
             at, top, lse = top_logsumexp(logits[None])
             column, confidence = int(at[0]), math.exp(float(top[0]) - float(lse[0]))
-        else:
-            probs = self.sampling.probs(logits)
-            column = draw(probs, self.generator)
-            confidence = float(probs[column])
-            if vocab is not None:
-                full = torch.zeros(
-                    self.model.config.vocab_size, dtype=probs.dtype, device=probs.device
-                )
-                probs = full.index_copy_(0, vocab, probs)
-            draft_probs.append(probs)
-        return (column if vocab is None else int(vocab[column])), confidence
+            return (column if vocab is None else int(vocab[column])), confidence
+        ids = None if vocab is None else vocab.cpu().numpy()
+        return self.sampler.draw(as_rows(logits), len(self.tokens) + len(drafted), drafted, ids)
 
 
 def through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
     """`tokens` up to and including the first end-of-sequence token."""
     end = next((i for i, t in enumerate(tokens) if t in eos), None)
     return tokens if end is None else tokens[: end + 1]
-
-
-def _float(dtype: torch.dtype) -> torch.dtype:
-    """The precision probabilities are computed in: float64 stays, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32

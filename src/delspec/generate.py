@@ -266,7 +266,9 @@ def generate(
 ) -> Result:
     """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
     `del-fast`), greedy unless `sampling` (a `Sampling`, or a dict of its fields) or the
-    keywords `temperature`, `top_k`, `top_p`, `seed` (not both) say otherwise.
+    keywords `temperature`, `top_k`, `top_p`, `seed`, `min_p`, `frequency_penalty`,
+    `presence_penalty`, `repetition_penalty`, `logit_bias` (not both) say otherwise. With the
+    same seed, every strategy and config gives the same sampled tokens (`Sampler`).
 
     `prompt` is text, token ids, or a chat conversation (a list of `{"role", "content"}`);
     `chat=True` wraps text as one user message. `on_text(piece, kind)` receives the final text
@@ -279,6 +281,7 @@ def generate(
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
     """
     sampling = checked_sampling(sampling, options)
+    sampling.check_vocabulary(lm.model.config.vocab_size)
     config = (config or DecodeConfig()).updated(**options)
     text = TextDecoding(
         lm,

@@ -1,69 +1,169 @@
-"""Sampling parameters, the processed token distribution, and speculative acceptance."""
+"""Sampling parameters, their token distribution, and position-keyed draws (`Sampler`).
+
+The processed distribution of one position (`Sampling.probs` is its definition over the whole
+vocabulary): the logits, plus `logit_bias`; the repetition penalty over the tokens of the prompt
+and of the output so far; the frequency and presence penalties over the output's tokens; divided
+by the temperature; then top-k (ties with the k-th logit kept), top-p (the smallest prefix of
+the tokens by decreasing probability whose mass reaches top_p, ties in token id order), then
+min-p (tokens at least min_p times the most likely one's probability), renormalised.
+
+A `Sampler` draws a position's token by Gumbel-max with noise keyed by (seed, position, token),
+a counter-based hash, so the token is a function of the seed, the position and the processed
+distribution there alone: however many rounds drafted, rows were batched or draws came before,
+every strategy commits the tokens `ar` would with the same seed. A draft token drawn with the
+same noise is accepted exactly when it is the target's own draw (see `Engine`).
+"""
 
 from __future__ import annotations
 
+import math
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError, is_integer, is_number
 
+MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+# keys of the draws that are not a token's: the tail's Gumbel, the uniform that picks in the tail
+_TAIL, _TAIL_DRAW = 1 << 62, (1 << 62) + 1
+# Candidates: tokens whose scaled logit is within `delta` of the largest (a factor e^-delta of
+# its probability), widened through these while a truncation's kept set may reach past them.
+DELTAS = (16.0, 32.0, 64.0, math.inf)
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy when `temperature == 0`; otherwise temperature, then top-k, then top-p filtering."""
+    """Greedy when `temperature == 0` (the argmax of the biased, penalised logits); otherwise a
+    draw from the processed distribution (the module docstring). Ranges and meanings are
+    OpenAI's (frequency_penalty, presence_penalty, logit_bias) and vLLM's (min_p,
+    repetition_penalty, top_k with 0 = off). `logit_bias` maps token ids to a bias in
+    [-100, 100] (given as a mapping; kept as sorted pairs)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name, valid, kind in [
-            ("temperature", is_number(self.temperature), "a number"),
+        numbers = ["temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"]
+        checks = [(name, is_number(getattr(self, name)), "a number") for name in numbers]
+        checks += [
+            ("repetition_penalty", is_number(self.repetition_penalty), "a number"),
             ("top_k", is_integer(self.top_k), "an integer"),
-            ("top_p", is_number(self.top_p), "a number"),
             ("seed", self.seed is None or is_integer(self.seed), "an integer or None"),
-        ]:
+        ]
+        for name, valid, kind in checks:
             if not valid:
                 raise ConfigError(f"{name} must be {kind}, got {getattr(self, name)!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ConfigError(f"temperature must be in [0, 100], got {self.temperature}")
+        for name, low, high, closed in [
+            ("temperature", 0.0, 100.0, True),
+            ("top_p", 0.0, 1.0, False),
+            ("min_p", 0.0, 1.0, True),
+            ("frequency_penalty", -2.0, 2.0, True),
+            ("presence_penalty", -2.0, 2.0, True),
+        ]:
+            value = getattr(self, name)
+            if not (low <= value <= high if closed else low < value <= high):
+                bounds = f"[{low:g}, {high:g}]" if closed else f"({low:g}, {high:g}]"
+                raise ConfigError(f"{name} must be in {bounds}, got {value}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ConfigError(
+                f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        if self.greedy:
-            return None
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """`ConfigError` for a `logit_bias` token id outside a vocabulary of `vocab_size`."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise ConfigError(
+                f"logit_bias token id {bad} is not in the vocabulary 0..{vocab_size - 1}"
+            )
 
-    def probs(self, logits: Tensor) -> Tensor:
-        """The distribution tokens are drawn from, `[..., vocab]`, in float32 at least."""
-        logits = logits.float() if logits.dtype != torch.float64 else logits
-        logits = logits / self.temperature
-        if self.top_k and self.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+    @property
+    def adjusts(self) -> bool:
+        """Whether logits are biased or penalised before anything else."""
+        return bool(self.logit_bias) or self._penalises or self.repetition_penalty != 1.0
+
+    @property
+    def _penalises(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def adjusted(self, logits: Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()):
+        """`logits` (`[..., vocab]`, every row after the same tokens) with the bias and the
+        penalties of a position after `prompt` and `output` (the generated tokens before it)."""
+        z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
+        for token, bias in self.logit_bias:
+            z[..., token] += bias
+        if self.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+            x = z[..., seen]
+            rp = self.repetition_penalty
+            z[..., seen] = torch.where(x > 0, x / rp, x * rp)
+        if output:
+            ids, counts = torch.tensor(output).unique(return_counts=True)
+            z[..., ids] -= self.frequency_penalty * counts + self.presence_penalty
+        return z
+
+    def probs(self, logits: Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()):
+        """The processed distribution over the whole vocabulary (`[..., vocab]`), by its
+        definition (the reference `Sampler`'s draws follow)."""
+        z = self.adjusted(logits, prompt, output) / self.temperature
+        if self.top_k and self.top_k < z.shape[-1]:
+            kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
+            z = z.masked_fill(z < kth, -math.inf)
+        probs = torch.softmax(z, dim=-1)
         if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+            sorted_probs = probs.gather(-1, order)
             before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
             sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+        if self.min_p > 0.0:
+            top = probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < self.min_p * top, 0.0)
+        return probs / probs.sum(-1, keepdim=True)
+
+
+def _checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs; token ids may be given as digit strings
+    (JSON object keys). `ConfigError` for anything else."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, Sequence | type({}.items())):
+        raise ConfigError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out = {}
+    for pair in pairs:
+        token, value = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (pair, None)
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not is_integer(token) or token < 0:
+            raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not is_number(value) or not -100.0 <= value <= 100.0:
+            raise ConfigError(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token}"
+            )
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def greedy_tokens(scores: Tensor) -> Tensor:
@@ -75,26 +175,181 @@ def greedy_tokens(scores: Tensor) -> Tensor:
     return scores.argmax(-1)
 
 
-def draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+def as_rows(logits: Tensor) -> np.ndarray:
+    """`logits` as a numpy array on the CPU: float64 stays, everything else float32."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits.detach().to("cpu", dtype).numpy()
 
 
-def speculative_accept(
-    target: Tensor, draft: Tensor, tokens: list[int], generator: torch.Generator | None
-) -> tuple[int, int]:
-    """Speculative sampling over a drafted chain.
+class Sampler:
+    """One sequence's draws under a `Sampling` (greedy too, where logits are biased or
+    penalised). `add` the committed tokens; `draw` a position's token from the model's logits
+    there.
 
-    `target` is `[T+1, vocab]` (target distributions after each prefix), `draft` is `[T, vocab]`
-    (the distributions the draft tokens were drawn from). Returns `(accepted, next_token)`: the
-    number of draft tokens kept and the token that follows them, drawn so that the output is
-    distributed exactly as sampling from `target` one token at a time.
-    """
-    for i, token in enumerate(tokens):
-        p, q = target[i, token], draft[i, token]
-        u = torch.rand((), generator=generator, device=target.device, dtype=target.dtype)
-        if u * q < p:  # accept with probability min(1, p/q)
-            continue
-        residual = (target[i] - draft[i]).clamp_min(0.0)
-        total = residual.sum()
-        return i, draw(residual / total if total > 0 else target[i], generator)
-    return len(tokens), draw(target[len(tokens)], generator)
+    Draws are Gumbel-max over the kept tokens with noise keyed by (seed, position, token), so
+    only the candidates that can matter get noise: the tokens within a factor e^-16 of the most
+    likely one's probability (more while a truncation's kept set may reach past them: top-k,
+    top-p and min-p keep a prefix of the tokens by decreasing logit, so a kept set whose last
+    candidate is dropped holds no token outside). Without truncation, the tokens outside the
+    candidates are one more item whose logit is their logsumexp (the maximum of their Gumbels
+    has that law); when it wins, the token is drawn inside it by inverse CDF in token id order.
+    Both are exact draws from the processed distribution. An unseeded sequence gets a random
+    seed of its own."""
+
+    def __init__(self, sampling: Sampling, vocab_size: int, prompt: Sequence[int]) -> None:
+        self.sampling = s = sampling
+        self.vocab_size = vocab_size
+        seed = secrets.randbits(64) if s.seed is None else s.seed & MASK
+        self.seed_key = _mix_int(seed)
+        s.check_vocabulary(vocab_size)
+        self._counts = self._seen = self._bias = None
+        self._ids = np.zeros(0, dtype=np.int64)  # tokens whose logits are adjusted
+        if s.adjusts:
+            self._counts = np.zeros(vocab_size, dtype=np.int64)  # in the output so far
+            self._seen = np.zeros(vocab_size, dtype=bool)  # in the prompt or the output
+            self._bias = np.zeros(vocab_size)
+            biased = [t for t, _ in s.logit_bias]
+            self._bias[biased] = [b for _, b in s.logit_bias]
+            self._ids = np.array(biased, dtype=np.int64)
+            if s.repetition_penalty != 1.0:
+                self._note(prompt, count=False)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Generated `tokens` joined the sequence."""
+        if self._counts is not None and tokens:
+            self._note(tokens, count=True)
+
+    def _note(self, tokens: Sequence[int], count: bool) -> None:
+        ids = np.asarray(tokens, dtype=np.int64)
+        if count:
+            np.add.at(self._counts, ids, 1)
+        self._seen[ids] = True
+        if (count and self.sampling._penalises) or self.sampling.repetition_penalty != 1.0:
+            self._ids = np.union1d(self._ids, ids)
+
+    def draw(
+        self,
+        logits: np.ndarray,
+        position: int,
+        before: Sequence[int] = (),
+        vocab: np.ndarray | None = None,
+        confidence: bool = True,
+    ) -> tuple[int, float]:
+        """The token at `position` (its index in the sequence) and its probability (when
+        `confidence`; else NaN) under the processed distribution of the model's `logits`
+        there: `[columns]`, the token id of each column given by `vocab` (None: the whole
+        vocabulary, in id order). `before`: the tokens between the committed sequence and
+        `position` (a round's drafts), which the penalties count too."""
+        s = self.sampling
+        if s.adjusts:
+            if vocab is not None:  # penalties and biases are by token id
+                full = np.full(self.vocab_size, -np.inf, dtype=logits.dtype)
+                full[vocab] = logits
+                logits, vocab = full, None
+            logits = logits.copy()
+            self._adjust(logits, before)
+        if s.greedy:
+            column = int(logits.argmax())
+            p = math.nan
+            if confidence:
+                top = logits[column]
+                p = 1.0 / float(np.exp(logits - top).sum(dtype=np.float64))
+            return (column if vocab is None else int(vocab[column])), p
+        z = logits * logits.dtype.type(1.0 / s.temperature)
+        column, p = self._draw(z, position, vocab)
+        return (column if vocab is None else int(vocab[column])), p
+
+    def _adjust(self, z: np.ndarray, before: Sequence[int]) -> None:
+        """Bias and penalise the logits `z` (over the whole vocabulary) in place."""
+        s = self.sampling
+        ids = self._ids
+        if before and (s._penalises or s.repetition_penalty != 1.0):
+            ids = np.union1d(ids, before)
+        if not len(ids):
+            return
+        counts = self._counts[ids]
+        if before:
+            counts = counts + (ids[:, None] == np.asarray(before)[None, :]).sum(1)
+        x = z[ids] + self._bias[ids]
+        if s.repetition_penalty != 1.0:
+            rp = s.repetition_penalty
+            x = np.where(self._seen[ids] | (counts > 0), np.where(x > 0, x / rp, x * rp), x)
+        x -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
+        z[ids] = x
+
+    def _draw(self, z: np.ndarray, position: int, vocab: np.ndarray | None) -> tuple[int, float]:
+        """Gumbel-max over the kept columns of the scaled logits `z` (the class docstring)."""
+        s = self.sampling
+        top = z.max()
+        weights = total = None  # e^(z - top) over every column, and their sum
+        if not s.truncates or (s.top_p < 1.0 and not s.top_k):
+            weights = np.exp(z - top)
+            total = weights.sum(dtype=np.float64)
+        for delta in DELTAS:
+            columns = np.flatnonzero(z >= top - delta) if delta < math.inf else np.arange(len(z))
+            values = z[columns]
+            if not s.truncates:
+                break
+            order = np.argsort(-values, kind="stable")  # ties: the lower column (id) first
+            values, columns = values[order], columns[order]
+            kept = self._kept(values, top, total, len(columns) == len(z))
+            if kept is not None:
+                values, columns = values[:kept], columns[:kept]
+                break
+        ids = columns if vocab is None else vocab[columns]
+        key = _mix_int((self.seed_key + (position + 1) * _GOLDEN) & MASK)
+        scores = values + _gumbel(key, ids)
+        best = int(scores.argmax())
+        mass = np.exp(values - top).sum(dtype=np.float64)
+        tail = 0.0 if s.truncates or len(columns) == len(z) else max(0.0, total - mass)
+        if tail > 0.0 and top + math.log(tail) + _gumbel(key, [_TAIL])[0] > scores[best]:
+            inside = weights.astype(np.float64)
+            inside[columns] = 0.0
+            cdf = np.cumsum(inside)
+            u = _uniform(key, [_TAIL_DRAW])[0]
+            column = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+            column = min(column, len(z) - 1)
+            return column, float(weights[column]) / total
+        return int(columns[best]), math.exp(float(values[best] - top)) / (mass + tail)
+
+    def _kept(self, values: np.ndarray, top: float, total: float | None, every: bool) -> int | None:
+        """How many of the candidates `values` (scaled logits, decreasing) truncation keeps;
+        None when the kept set may reach past them (unless they are `every` column)."""
+        s = self.sampling
+        kept = len(values)
+        if s.top_k and kept > s.top_k:
+            kept = int(np.searchsorted(-values, -values[s.top_k - 1], side="right"))
+        if s.top_k and kept == len(values) and not every:
+            return None  # the k-th largest logit, or a tie with it, may lie outside
+        if s.top_p < 1.0:
+            w = np.exp(values[:kept] - top).astype(np.float64)
+            norm = w.sum() if s.top_k else total
+            before = np.cumsum(w) - w
+            kept = int(np.searchsorted(before, s.top_p * norm, side="left"))
+        if s.min_p > 0.0:
+            floor = top + math.log(s.min_p)
+            kept = min(kept, int(np.searchsorted(-values, -floor, side="right")))
+        return kept if kept < len(values) or every else None
+
+
+def _mix_int(x: int) -> int:
+    """splitmix64's finaliser on a Python integer (64 bits)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def _uniform(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A uniform in (0, 1) for each of `ids` under `key`: splitmix64's output number `id + 1`
+    of the stream that starts at `key` (wrapping uint64 arithmetic)."""
+    x = np.asarray(ids, dtype=np.uint64) + np.uint64(1)
+    x = x * np.uint64(_GOLDEN) + np.uint64(key)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def _gumbel(key: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Standard Gumbel noise for each of `ids` under `key`."""
+    return -np.log(-np.log(_uniform(key, ids)))

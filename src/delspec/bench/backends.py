@@ -2,7 +2,8 @@
 
 A backend is built once per run from the loaded model; `Backend.generator(strategy, options)`
 checks the options and returns a `Generate`: ``(prompt ids, max new tokens) -> Output``, greedy,
-stopping after an EOS token of the model. The transformers and economize peers load the Hugging
+stopping after an EOS token of the model (with a `Sampling` as a third argument, a sampled
+`Generate`, which takes a seed as its third). The transformers and economize peers load the Hugging
 Face checkpoint that delspec loaded (for a GGUF file, its cached conversion) in the same dtype,
 on the same device; the llama.cpp peer loads the GGUF file itself, with its own kernels (and,
 for a quantized file, its quantized weights, where delspec runs the dequantized ones).
@@ -15,9 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from delspec.gguf_file import GGUFFile
 from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy
 from delspec.policies.fixed import Static
+from delspec.sampling import Sampling
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
 # llama-cpp-python compiles llama.cpp on install. Its default build (-march=native, AMX when the
@@ -76,7 +77,8 @@ class Output:
     decode_s: float | None = None
 
 
-Generate = Callable[[list[int], int], Output]
+# (prompt ids, max new tokens[, seed]): the seed of a sampled run (`Backend.generator`'s sampling)
+Generate = Callable[..., Output]
 
 
 class Backend(Protocol):
@@ -84,15 +86,23 @@ class Backend(Protocol):
     ``reserve(tokens)``, which the runner calls before making its generators, with the most
     tokens (prompt and new) that one generation of the run can need."""
 
-    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
-        """A generation function; invalid options raise `ConfigError` here, not on first use."""
+    def generator(
+        self, strategy: str, options: Mapping[str, Any], sampling: Sampling | None = None
+    ) -> Generate:
+        """A generation function; invalid options raise `ConfigError` here, not on first use.
+        With `sampling` (not greedy), it samples with those settings, seeded by its `seed`
+        argument (backends that cannot sample raise `ConfigError`)."""
         ...
 
 
-def timed(generate: Generate, prompt_ids: list[int], max_new_tokens: int) -> tuple[Output, float]:
-    """`generate`'s output and the wall-clock seconds around it (prefill included)."""
+def timed(
+    generate: Generate, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None
+) -> tuple[Output, float]:
+    """`generate`'s output (with `seed`, if given) and the wall-clock seconds around it
+    (prefill included)."""
+    seeded = () if seed is None else (seed,)
     start = time.perf_counter()
-    output = generate(prompt_ids, max_new_tokens)
+    output = generate(prompt_ids, max_new_tokens, *seeded)
     return output, time.perf_counter() - start
 
 
@@ -116,7 +126,9 @@ class DelspecBackend:
             )
         return self.models[weights]
 
-    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+    def generator(
+        self, strategy: str, options: Mapping[str, Any], sampling: Sampling | None = None
+    ) -> Generate:
         """`strategy` with `options` (`delspec.bench.methods.method_config`)."""
         config, weights = method_config(strategy, options)
         lm = self.model_in(weights)
@@ -124,12 +136,13 @@ class DelspecBackend:
         make_policy(config, model.num_layers)  # reject bad options now
         exit_head = draft_head(lm, config)
 
-        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+        def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             policy = make_policy(config, model.num_layers)
             decoded = decode_tokens(
                 model,
                 prompt_ids,
                 policy,
+                sampling=None if sampling is None else replace(sampling, seed=seed),
                 max_new_tokens=max_new_tokens,
                 eos_token_ids=eos,
                 exit_head=exit_head,
@@ -156,15 +169,22 @@ class TransformersBackend:
         self.lm = lm
         self.model = load_transformers_model(lm)
 
-    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+    def generator(
+        self, strategy: str, options: Mapping[str, Any], sampling: Sampling | None = None
+    ) -> Generate:
+        """With `sampling`: `do_sample` with its temperature, top-k and top-p, after
+        `torch.manual_seed(seed)`."""
+        how: dict[str, Any] = {"sampling": sampling}
         if strategy == "greedy" and not options:
-            return self._generate
+            return lambda ids, n, seed=0: self._generate(ids, n, seed=seed, **how)
         if strategy == "early-exit":
             exit_layer, draft_length = static_setting(self.lm, options)
-            return lambda ids, n: self._generate(ids, n, exit_layer, draft_length)
+            how.update(exit_layer=exit_layer, draft_length=draft_length)
+            return lambda ids, n, seed=0: self._generate(ids, n, seed=seed, **how)
         if strategy == "lookup":
             draft_length, ngram = lookup_setting(options)
-            return lambda ids, n: self._generate(ids, n, draft_length=draft_length, ngram=ngram)
+            how.update(draft_length=draft_length, ngram=ngram)
+            return lambda ids, n, seed=0: self._generate(ids, n, seed=seed, **how)
         raise ConfigError(f"transformers {strategy} takes no options {dict(options)}")
 
     def _generate(
@@ -174,15 +194,25 @@ class TransformersBackend:
         exit_layer: int | None = None,
         draft_length: int = 0,
         ngram: int | None = None,
+        sampling: Sampling | None = None,
+        seed: int = 0,
     ) -> Output:
-        """Greedy tokens; with `exit_layer`, drafted by the early exit, with `ngram`, looked up in
-        the context; `draft_length` tokens per round either way."""
+        """Greedy tokens (sampled with `sampling`, seeded by `seed`); with `exit_layer`, drafted
+        by the early exit, with `ngram`, looked up in the context; `draft_length` tokens per
+        round either way."""
         from transformers import GenerationConfig
 
         eos = list(self.lm.eos_token_ids)
+        sampled = {}
+        if sampling is not None:
+            torch.manual_seed(seed)
+            sampled = dict(
+                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+            )
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
-            do_sample=False,
+            do_sample=sampling is not None,
+            **sampled,
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else None,
             assistant_early_exit=exit_layer,
@@ -214,7 +244,11 @@ class EconomizeBackend:
             raise ConfigError(f"economize methods need the economize package: {ECONOMIZE_INSTALL}")
         self.lm = lm
 
-    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+    def generator(
+        self, strategy: str, options: Mapping[str, Any], sampling: Sampling | None = None
+    ) -> Generate:
+        if sampling is not None:
+            raise ConfigError("economize methods decode greedily only (no --temperature)")
         import economize
         from economize.techniques.early_exit import EarlyExitConfig
 
@@ -226,7 +260,7 @@ class EconomizeBackend:
         decoding = economize.DecodeConfig(cycle_length=draft_length + 1, lossless=True)
         eos = list(self.lm.eos_token_ids)
 
-        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+        def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             ids = torch.tensor(prompt_ids, device=model.device)
             result = model.decode(ids, max_new_tokens, decoding=decoding, stop=eos or None)
             return Output(result.tokens.tolist())
@@ -268,41 +302,64 @@ class LlamaCppBackend:
     def reserve(self, tokens: int) -> None:
         self.context = max(1, min(tokens, self.lm.model.config.max_position))
 
-    def generator(self, strategy: str, options: Mapping[str, Any]) -> Generate:
+    def generator(
+        self, strategy: str, options: Mapping[str, Any], sampling: Sampling | None = None
+    ) -> Generate:
+        """With `sampling`: llama.cpp's temperature, top-k (0: off) and top-p samplers in that
+        order (delspec's), then its seeded draw."""
         options = dict(options)
         n_ctx = options.pop("n_ctx", self.context)
         if not isinstance(n_ctx, int) or n_ctx < 2:
             raise ConfigError(f"n_ctx must be an integer >= 2, got {n_ctx!r}")
         if strategy == "lookup":
-            return self._lookup(n_ctx, *lookup_setting(options))
+            return self._lookup(n_ctx, *lookup_setting(options), sampling)
         if strategy != "greedy" or options:
             raise ConfigError(f"llama.cpp {strategy} takes no options {options}")
         llama_cpp = self.llama_cpp
         llm = self._llama(n_ctx)
-        greedy = llama_cpp.llama_sampler_init_greedy()  # argmax of the last position's logits
         eos = set(self.lm.eos_token_ids)
 
-        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+        def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             limit = self._limit(llm, prompt_ids, max_new_tokens)
             llm.reset()  # no reuse of the previous prompt's KV cache
+            sampler = self._sampler(sampling, seed)
             start = time.perf_counter()
             llm.eval(prompt_ids)
             prefilled = time.perf_counter()
             tokens: list[int] = []
             while True:
-                token = llama_cpp.llama_sampler_sample(greedy, llm.ctx, -1)
+                token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)
                 tokens.append(token)
                 if token in eos or len(tokens) >= limit:
                     break
                 llm.eval([token])
             end = time.perf_counter()
+            llama_cpp.llama_sampler_free(sampler)
             return Output(tokens, prefill_s=prefilled - start, decode_s=end - prefilled)
 
-        weakref.finalize(generate, llama_cpp.llama_sampler_free, greedy)
         return generate
 
-    def _lookup(self, n_ctx: int, draft_length: int, ngram: int) -> Generate:
-        """`Llama.generate` at temperature 0 with the prompt-lookup drafter."""
+    def _sampler(self, sampling: Sampling | None, seed: int) -> Any:
+        """llama.cpp's greedy sampler (the argmax of the last position's logits), or its chain
+        of `sampling`'s samplers and a draw seeded with `seed`."""
+        llama_cpp = self.llama_cpp
+        if sampling is None:
+            return llama_cpp.llama_sampler_init_greedy()
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        for sampler in (
+            llama_cpp.llama_sampler_init_temp(sampling.temperature),
+            llama_cpp.llama_sampler_init_top_k(sampling.top_k),
+            llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1),
+            llama_cpp.llama_sampler_init_dist(seed),
+        ):
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
+        return chain
+
+    def _lookup(
+        self, n_ctx: int, draft_length: int, ngram: int, sampling: Sampling | None = None
+    ) -> Generate:
+        """`Llama.generate` at temperature 0 (or `sampling`'s temperature, top-k and top-p,
+        seeded; its own sampler order) with the prompt-lookup drafter."""
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         drafter = LlamaPromptLookupDecoding(max_ngram_size=ngram, num_pred_tokens=draft_length)
@@ -311,12 +368,18 @@ class LlamaCppBackend:
         llm = self._llama(n_ctx, draft_model=drafter, logits_all=True)
         eos = set(self.lm.eos_token_ids)
 
-        def generate(prompt_ids: list[int], max_new_tokens: int) -> Output:
+        settings = {"temp": 0.0}
+        if sampling is not None:
+            settings = {"temp": sampling.temperature, "top_k": sampling.top_k}
+            settings.update(top_p=sampling.top_p, min_p=0.0)
+
+        def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             limit = self._limit(llm, prompt_ids, max_new_tokens)
             llm.reset()  # no reuse of the previous prompt's KV cache
+            llm.set_seed(seed)
             start = time.perf_counter()
-            # temperature 0 and no repeat penalty: llama.cpp's greedy sampler alone
-            stream = llm.generate(prompt_ids, temp=0.0, repeat_penalty=1.0)
+            # no repeat penalty; at temperature 0 llama.cpp's greedy sampler alone
+            stream = llm.generate(prompt_ids, repeat_penalty=1.0, **settings)
             tokens = [next(stream)]
             prefilled = time.perf_counter()
             while tokens[-1] not in eos and len(tokens) < limit:

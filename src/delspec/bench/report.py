@@ -83,13 +83,25 @@ def _heading(result: BenchResult) -> list[str]:
         f"{result.model['device']} · {result.model['layers']} layers{_bandwidth(env)}",
         "",
         f"{settings['prompts']} prompts ({_origin(settings)})"
-        f"{', as chat messages' if settings['chat'] else ''}, greedy, at most "
+        f"{', as chat messages' if settings['chat'] else ''}, {_decoding(settings)}, at most "
         f"{settings['max_new_tokens']} new tokens; methods interleaved per prompt.",
         "",
     ]
     if not result.ok:
         lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
     return lines
+
+
+def _decoding(settings: dict) -> str:
+    """ "greedy", or the sampling settings (older results have none: greedy)."""
+    sampling = settings.get("sampling")
+    if not sampling:
+        return "greedy"
+    top = f", top-k {sampling['top_k']}" if sampling["top_k"] else ""
+    return (
+        f"sampled (temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}{top}; "
+        "each prompt seeded with its index)"
+    )
 
 
 def _bandwidth(env: dict) -> str:
@@ -117,7 +129,7 @@ def _table_one(result: BenchResult) -> list[str]:
     for method in result.methods:
         cells = [_cell(aggregates[task][method]) for task in tasks]
         overall = aggregates[OVERALL][method]
-        name = method if overall["lossless"] else f"{method} (NOT LOSSLESS)"
+        name = method + _mark(result, method, overall["lossless"], " ({})")
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {overall['tokens_per_s']:.2f} | "
             f"{overall['speedup']:.2f}× |"
@@ -199,7 +211,7 @@ def summary_lines(result: BenchResult) -> list[str]:
     width = max(map(len, overall))
     lines = [
         f"{method:<{width}}  {m['tokens_per_s']:8.2f} tok/s  {m['speedup']:.2f}×"
-        + ("" if m["lossless"] else "  NOT LOSSLESS")
+        + _mark(result, method, m["lossless"], "  {}")
         for method, m in overall.items()
     ]
     for failure in result.lossless["failures"]:
@@ -261,6 +273,20 @@ def _sweep_notes(result: BenchResult) -> list[str]:
     return [*lines, ""]
 
 
+def _sampled_peers(result: BenchResult) -> bool:
+    """Whether the run sampled: peers then draw with their own generators, not `ar`'s."""
+    return bool(result.settings.get("sampling"))
+
+
+def _mark(result: BenchResult, method: str, lossless: bool, form: str) -> str:
+    """How a method's name is marked: not at all when its output was `ar`'s, "own draws" for
+    a peer of a sampled run, else NOT LOSSLESS (in `form`)."""
+    if lossless:
+        return ""
+    own = _sampled_peers(result) and result.methods[method]["peer"]
+    return form.format("own draws" if own else "NOT LOSSLESS")
+
+
 def _lossless_notes(result: BenchResult) -> list[str]:
     lossless = result.lossless
     lines = ["## Losslessness", ""]
@@ -269,7 +295,8 @@ def _lossless_notes(result: BenchResult) -> list[str]:
     for failure in lossless["failures"]:
         lines.append(f"- **NOT LOSSLESS** {_mismatch(failure)}")
     if lossless["peer_mismatches"]:
-        lines += ["", "Peer libraries (float rounding may differ; these do not fail the run):"]
+        why = "their own random draws" if _sampled_peers(result) else "float rounding may differ"
+        lines += ["", f"Peer libraries ({why}; these do not fail the run):"]
         lines += [f"- {_mismatch(m)}" for m in lossless["peer_mismatches"]]
     elif any(info["peer"] for info in result.methods.values()):
         lines.append(f"Peer libraries' outputs are token-identical to {REFERENCE}'s too.")

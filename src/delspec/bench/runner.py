@@ -33,6 +33,7 @@ from delspec.bench.tasks import Prompt
 from delspec.errors import ConfigError
 from delspec.generate import encode_prompt
 from delspec.loading import LoadedModel
+from delspec.sampling import Sampling
 
 WARMUP_TOKENS = 8
 MAX_REPEATS_FACTOR = 4  # with `min_seconds`, at most this many times `repeats` timings a prompt
@@ -77,10 +78,13 @@ def run_bench(
     repeats: int = 1,
     min_seconds: float = 0.0,
     chat: bool = False,
+    sampling: Sampling | None = None,
 ) -> BenchResult:
     """Run `methods` (the first must be `ar`) on every prompt of `prompt_set`; with `chat`,
     each prompt is one user message through the model's chat template (as an instruct model is
-    used), for every method alike.
+    used), for every method alike. With `sampling` (not greedy), every method samples with its
+    settings, seeded per prompt with the prompt's index in the run (warm-ups and sweeps with
+    0): delspec methods must still give `ar`'s tokens (the same seed gives the same text).
 
     `command` is the invocation recorded with the results (default: this process's argv).
     A method whose backend raises `BackendUnavailable` (its library is not installed) is left
@@ -91,7 +95,10 @@ def run_bench(
     _check_settings(methods, max_new_tokens, repeats, min_seconds)
     reference_of = references(methods, lm.model.weights)
     environment = run_environment(lm, command)
+    if sampling is not None and sampling.greedy:
+        sampling = None
     run = _BenchRun(lm, prompt_set, max_new_tokens, repeats, min_seconds, chat)
+    run.sampling = sampling
     grids = {m.label: sweep_grid(m, lm.model.num_layers) for m in methods if m.spec.sweep}
     if grids and any(not run.calibration.get(task) for task in run.tasks):
         raise ConfigError("sweep methods need calibration prompts for every task")
@@ -120,6 +127,7 @@ def run_bench(
             **prompt_set.origin,
             "tasks": run.tasks,
             "chat": chat,
+            "sampling": None if sampling is None else _sampling_settings(sampling),
             "max_new_tokens": max_new_tokens,
             "prompts": len(run.encoded),
             "repeats": repeats,
@@ -173,6 +181,7 @@ class _BenchRun:
             task: [encode_prompt(lm, p.text, chat) for p in group]
             for task, group in prompt_set.calibration.items()
         }
+        self.sampling: Sampling | None = None
         self.usage: dict[str, memory.MethodMemory] = {}
         self.skipped: dict[str, str] = {}
         self.bar: tqdm | None = None
@@ -212,7 +221,9 @@ class _BenchRun:
                 if method.spec.sweep
                 else [method.options]
             )
-            candidates[method.label] = [_generator(method, backend, o) for o in options]
+            candidates[method.label] = [
+                _generator(method, backend, o, self.sampling) for o in options
+            ]
             self.usage[method.label].end_setup()
         return candidates
 
@@ -269,7 +280,8 @@ class _BenchRun:
                     self.bar.set_postfix_str(f"{prompt.task} {method.label}", refresh=False)
                     generate = generators[method.label][prompt.task]
                     self.usage[method.label].start_run()
-                    output, seconds = timed(generate, ids, self.max_new_tokens)
+                    seed = None if self.sampling is None else index
+                    output, seconds = timed(generate, ids, self.max_new_tokens, seed)
                     self.usage[method.label].end_run()
                     times[method.label].append(seconds)
                     firsts.setdefault(method.label, (output, turn))
@@ -300,9 +312,19 @@ def _method_info(method: Method) -> dict[str, Any]:
     }
 
 
-def _generator(method: Method, backend: Backend, options: Mapping[str, Any]) -> Generate:
+def _sampling_settings(sampling: Sampling) -> dict[str, Any]:
+    """The run's sampling settings as recorded (the seeds: each prompt's index)."""
+    keys = ("temperature", "top_k", "top_p")
+    return {key: getattr(sampling, key) for key in keys} | {"seeds": "prompt index"}
+
+
+def _generator(
+    method: Method, backend: Backend, options: Mapping[str, Any], sampling: Sampling | None
+) -> Generate:
     try:
-        return backend.generator(method.spec.strategy, options)
+        if sampling is None:
+            return backend.generator(method.spec.strategy, options)
+        return backend.generator(method.spec.strategy, options, sampling)
     except ConfigError as exc:
         raise ConfigError(f"method {method.label!r}: {exc}") from exc
 

@@ -168,3 +168,49 @@ def load(args: argparse.Namespace) -> LoadedModel:
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
+
+
+def sampling_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling controls beyond temperature, top-k, top-p and the seed (`Sampling`'s
+    fields of the same names; they bias and penalise greedy decoding too)."""
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least this fraction of the "
+        "most likely one's probability (0 = off, default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted from a token's logit "
+        "per time it occurs in the reply so far, in [-2, 2] (default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted from the logit of a "
+        "token the reply holds so far, in [-2, 2] (default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="divides positive logits and "
+        "multiplies negative ones of tokens in the prompt or reply, > 0 (1 = off, default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--logit-bias", action="append", type=_token_bias, metavar="TOKEN_ID=BIAS",
+        help="add BIAS in [-100, 100] to a token's logit (repeatable)",
+    )  # fmt: skip
+
+
+def sampling_controls(args: argparse.Namespace) -> dict:
+    """`sampling_control_arguments`' values as `Sampling` keywords."""
+    return {
+        "min_p": args.min_p,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "logit_bias": dict(args.logit_bias or ()),
+    }
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}"
+        ) from None

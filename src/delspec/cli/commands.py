@@ -15,6 +15,8 @@ from delspec.cli.arguments import (
     model_arguments,
     positive_int,
     positive_number,
+    sampling_control_arguments,
+    sampling_controls,
 )
 from delspec.errors import ConfigError, DelspecError
 
@@ -32,6 +34,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    sampling_control_arguments(gen)
     gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -52,7 +55,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from delspec.sampling import Sampling
 
     config = decode_config(args)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = Sampling(
+        args.temperature, args.top_k, args.top_p, args.seed, **sampling_controls(args)
+    )
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     lm = load(args)
     console = Console(highlight=False, soft_wrap=True)
@@ -346,6 +351,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send each prompt as a user message through the model's chat template",
     )
+    bench.add_argument(
+        "--temperature", type=float, default=0.0, help="sample every method (peers too) at "
+        "this temperature, each prompt seeded with its index (0 = greedy, default)",
+    )  # fmt: skip
+    bench.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1)")
+    bench.add_argument("--top-k", type=int, default=0, help="with --temperature (0 = off)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     bench.set_defaults(func=cmd_bench)
 
@@ -362,6 +373,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = select_prompts(
         tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
     )
+    from delspec.sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     result = run_bench(
         load(args),
         methods,
@@ -371,6 +385,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         min_seconds=args.min_seconds,
         chat=args.chat,
+        sampling=sampling,
     )
     paths = write_report(result, args.out)
     print("\n".join(summary_lines(result)))

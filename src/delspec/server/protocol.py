@@ -10,14 +10,15 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from delspec.errors import ContextLengthError, DelspecError
 from delspec.generate import Result, checked_stop
 
 
 class GenerationRequest(BaseModel):
-    """Fields both endpoints share. Types are strict; unknown OpenAI fields are ignored."""
+    """Fields both endpoints share. Types are strict; OpenAI fields that would change the reply
+    and are not implemented are refused (`UNSUPPORTED`); other unknown fields are ignored."""
 
     model_config = ConfigDict(strict=True)
 
@@ -30,8 +31,45 @@ class GenerationRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     n: int = 1
     stream: bool = False
+    # OpenAI's penalties over the reply's tokens so far, and biases by token id
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # None: 0
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # None: 0
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
+    # vLLM's (and llama.cpp's) extensions
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # None: 0 (off)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # None: 1 (off)
     # delspec's extension: `DecodeConfig` options over the server's (preset, strategy, ...)
     delspec: dict[str, Any] | None = None
+    # OpenAI fields that are not implemented: refused when given (and not their neutral value)
+    audio: Any = None
+    modalities: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    @field_validator(
+        "audio", "modalities", "tools", "tool_choice", "functions", "function_call",
+        "response_format", "prediction", "web_search_options", "reasoning_effort",
+        mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return refused(value, info)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -41,6 +79,31 @@ class GenerationRequest(BaseModel):
         if isinstance(value, str | list):
             return checked_stop(value)
         raise ValueError("stop must be a string or a list of strings")
+
+
+# Each refused field's neutral value, which is accepted (and means what the server does anyway).
+UNSUPPORTED: dict[str, Any] = {
+    "audio": None,
+    "modalities": ["text"],
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+}
+
+
+def refused(value: Any, info: ValidationInfo) -> None:
+    """An unsupported field's value: None when it is absent or neutral; else ValueError."""
+    if value is None or value == UNSUPPORTED[info.field_name]:
+        return None
+    raise ValueError(f"{info.field_name} is not supported by this server")
 
 
 class ChatMessage(BaseModel):
@@ -74,6 +137,14 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top tokens per token
+    best_of: Any = None  # not implemented: refused unless 1
+    echo: Any = None  # not implemented: refused unless false
+    suffix: Any = None  # not implemented: refused unless null
+
+    @field_validator("best_of", "echo", "suffix", mode="before")
+    @classmethod
+    def _unsupported_completion(cls, value: Any, info: ValidationInfo) -> Any:
+        return refused(value, info)
 
     @field_validator("prompt", mode="before")
     @classmethod
