@@ -231,11 +231,15 @@ class Reply:
             }
             out["delspec"] = {
                 "strategy": result.strategy,
-                "acceptance_rate": round(stats.acceptance_rate, 4) if stats.drafted else None,
-                "mean_exit_layer": round(stats.mean_exit_layer, 3),
+                "acceptance_rate": _rounded(stats.acceptance_rate, 4),
+                "mean_exit_layer": _rounded(stats.mean_exit_layer, 3),
                 "tokens_per_s": round(stats.tokens_per_s, 3),
             }
         return out
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def sse(data: dict[str, Any] | str) -> str:
