@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 from delspec.cli.arguments import (
     decode_arguments,
     decode_config,
     load,
     model_arguments,
+    non_negative_int,
+    port,
     positive_int,
     positive_number,
+    seed,
 )
 from delspec.errors import ConfigError, DelspecError
 
@@ -27,11 +33,19 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
     model_arguments(gen)
     decode_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="most tokens to generate"
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="sample from the K likeliest (0 = off)"
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the likeliest P of mass (1 = off)"
+    )
+    gen.add_argument(
+        "--seed", type=seed, help="sampling seed, 0..2^63-1 (default: a fresh one every run)"
+    )
     gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -48,59 +62,107 @@ def _stop_string(text: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from delspec.generate import generate
+    from delspec.generate import Result, generate
     from delspec.sampling import Sampling
 
     config = decode_config(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    lm = load(args)
-    console = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False)
+    # bytes that are not UTF-8 become lone surrogates, which `generate` reports (as it does
+    # for such a command-line argument)
+    prompt = read_stdin() if args.prompt == "-" else args.prompt
+    with _trace_file(args.trace) as trace:
+        lm = load(args)
+        console = Console(highlight=False, soft_wrap=True)
 
-    def show(piece: str, kind: str) -> None:
-        console.print(piece, style=DRAFT_STYLE if kind == "draft" else None, end="", markup=False)
+        def show(piece: str, kind: str) -> None:
+            style = DRAFT_STYLE if kind == "draft" else None
+            console.print(piece, style=style, end="", markup=False)
 
-    result = generate(
-        lm,
-        prompt,
-        config,
-        sampling=sampling,
-        max_new_tokens=args.max_new_tokens,
-        stop=args.stop or (),
-        chat=args.chat,
-        on_text=None if args.json else show,
-        trace=args.trace is not None,
-    )
-    if args.trace is not None:
-        with open(args.trace, "w") as f:
-            for entry in result.trace or []:
-                f.write(json.dumps(entry) + "\n")
-    if args.json:
-        print(
-            json.dumps(
-                {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}, indent=2
-            )
+        result: Result = generate(
+            lm,
+            prompt,
+            config,
+            sampling=sampling,
+            max_new_tokens=args.max_new_tokens,
+            stop=args.stop or (),
+            chat=args.chat,
+            on_text=None if args.json else show,
+            trace=trace is not None,
         )
-        return 0
+        if args.json:
+            info = {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}
+            print(json.dumps(info, indent=2), flush=True)
+        else:
+            console.print()
+            _print_summary(result, console.is_terminal)
+        if trace is not None:  # after the result is out: a failed write loses only the trace
+            try:
+                trace.writelines(json.dumps(entry) + "\n" for entry in result.trace or ())
+                trace.flush()
+            except OSError as exc:
+                print(f"delspec: error: --trace {args.trace}: {exc.strerror}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def read_stdin() -> str:
+    """Standard input as text: UTF-8, other bytes as lone surrogates (as in `sys.argv`)."""
+    return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+
+
+@contextlib.contextmanager
+def _trace_file(path: Path | None) -> Iterator[IO[str] | None]:
+    """`--trace`'s file, opened before any work (a path that cannot be written is an error
+    now, not after the generation); removed again if the command fails before writing it."""
+    if path is None:
+        yield None
+        return
+    try:
+        file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (kept open for the command)
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: {exc.strerror}") from None
+    with file:
+        try:
+            yield file
+        except BaseException:
+            if file.tell() == 0:
+                Path(path).unlink(missing_ok=True)
+            raise
+
+
+def _print_summary(result: Any, terminal: bool) -> None:
+    """The statistics line after a generation, on standard error; broken between fields
+    only (when it is wider than the terminal)."""
+    from rich.console import Console
+    from rich.text import Text
+
     s = result.stats
-    console.print()
     seconds = (s.prefill_ms + s.decode_ms_per_token * s.new_tokens) / 1000
     end_to_end = s.new_tokens / seconds if seconds > 0 else 0.0
-    summary = (
-        f"{s.new_tokens} tokens · decode {s.tokens_per_s:.1f} tok/s · prefill "
-        f"{s.prefill_ms:.0f} ms · end-to-end {end_to_end:.1f} tok/s · "
-        f"strategy {result.strategy}"
-    )
+    fields = [
+        f"── {s.new_tokens} tokens",
+        f"decode {s.tokens_per_s:.1f} tok/s",
+        f"prefill {s.prefill_ms:.0f} ms",
+        f"end-to-end {end_to_end:.1f} tok/s",
+        f"strategy {result.strategy}",
+    ]
+    if s.acceptance_rate is not None:
+        fields.append(f"acceptance {s.acceptance_rate:.0%}")
+    if s.mean_exit_layer is not None:
+        fields.append(f"mean exit layer {s.mean_exit_layer:.1f}")
     if s.drafted:
-        summary += (
-            f" · acceptance {s.acceptance_rate:.0%} · mean exit layer {s.mean_exit_layer:.1f}"
-            f" · mean draft {s.mean_draft_length:.1f} · eTPL {s.etpl:.3f}"
-        )
-    if console.is_terminal:
-        summary += " · [green]green[/] = accepted draft tokens"
-    err.print(f"[dim]── {summary}[/]")
-    return 0
+        fields += [f"mean draft {s.mean_draft_length:.1f}", f"eTPL {s.etpl:.3f}"]
+    if terminal:
+        fields.append("[green]green[/] = accepted draft tokens")
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    lines: list[str] = []
+    for field in fields:
+        if lines and Text.from_markup(f"{lines[-1]} · {field}").cell_len <= err.width:
+            lines[-1] += f" · {field}"
+        else:
+            lines.append(field)
+    for line in lines:
+        err.print(f"[dim]{line}[/]")
 
 
 def add_info(sub: argparse._SubParsersAction) -> None:
@@ -128,12 +190,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     model_arguments(srv)
     decode_arguments(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=port, default=8000, help="port to listen on (0: any free one)")
+    srv.add_argument(
+        "--max-queue", type=non_negative_int, default=16, help="waiting requests before 429"
+    )
     srv.add_argument(
         "--max-batch",
-        type=int,
+        type=positive_int,
         help="requests generating at once (default: measured on this machine at start)",
     )
     srv.add_argument(
@@ -142,7 +206,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="positions a request may use, prompt and reply (default: the model's, at most 4096)",
     )
     srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
-    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.add_argument("--timeout", type=positive_number, default=600.0, help="seconds per request")
     srv.add_argument(
         "--max-body-mb",
         type=positive_number,
@@ -157,7 +221,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     srv.add_argument(
         "--replicas",
-        type=int,
+        type=positive_int,
         help="copies of the server behind one API, each a process with its own model and "
         "--threads (default: the cores shared out), through Ray Serve (delspec[ray])",
     )
@@ -170,8 +234,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from delspec.server import serve
 
-    if args.replicas is not None and args.replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     config = decode_config(args)
     lm = load(args)  # here too with --replicas: a bad model or option fails before Ray starts
     settings = {
