@@ -62,14 +62,14 @@ def _stop_string(text: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from delspec.generate import Result, generate
+    from delspec.generate import Result, checked_stop, checked_text, generate
     from delspec.sampling import Sampling
 
     config = decode_config(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    # bytes that are not UTF-8 become lone surrogates, which `generate` reports (as it does
-    # for such a command-line argument)
     prompt = read_stdin() if args.prompt == "-" else args.prompt
+    checked_text(prompt, "the prompt")  # as `generate` would, before the model loads
+    checked_stop(args.stop or ())
     with _trace_file(args.trace) as trace:
         lm = load(args)
         console = Console(highlight=False, soft_wrap=True)
@@ -106,7 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def read_stdin() -> str:
-    """Standard input as text: UTF-8, other bytes as lone surrogates (as in `sys.argv`)."""
+    """Standard input as text: UTF-8, other bytes as lone surrogates (as in `sys.argv`), which
+    `checked_text` reports."""
     return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
 
 

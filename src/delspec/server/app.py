@@ -229,12 +229,16 @@ def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
+    card = {"id": name, "object": "model", "created": started, "owned_by": "delspec"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": started, "owned_by": "delspec"}],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        service.check_model(model)  # an alias too: its card is the served model's
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:

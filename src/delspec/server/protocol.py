@@ -16,6 +16,14 @@ from delspec.errors import ContextLengthError, DelspecError
 from delspec.generate import Result, checked_stop
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` asks for a last chunk with the usage."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = False
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share. Types are strict; unknown OpenAI fields are ignored."""
 
@@ -30,6 +38,7 @@ class GenerationRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None  # only with stream, as OpenAI
     # delspec's extension: `DecodeConfig` options over the server's (preset, strategy, ...)
     delspec: dict[str, Any] | None = None
 
@@ -113,7 +122,15 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters as \\u escapes: an error message that quotes a request's
+    text can always be sent, a lone surrogate in it too (UTF-8 cannot encode one)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def as_api_error(exc: Exception) -> APIError:
@@ -136,6 +153,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         where = f" at character {path[0]}" if path else ""
         return APIError(400, f"the request body is not valid JSON: {reason}{where}")
     reason = str(error["msg"]).removeprefix("Value error, ")
+    if not path and error["type"] == "missing":
+        return APIError(400, "the request body is empty: send a JSON object")
+    if not path and isinstance(error.get("input"), bytes):  # not sent as application/json
+        try:
+            json.loads(error["input"])
+        except ValueError as invalid:
+            return APIError(400, f"the request body is not valid JSON: {invalid}")
+        return APIError(400, "send the request body with Content-Type: application/json")
     if not path:
         return APIError(400, f"the request body must be a JSON object: {reason}")
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
@@ -148,9 +173,12 @@ class Reply:
     """Builds the OpenAI response objects of one chat or text completion. Log-probabilities
     (when asked for) come whole with the response, or with a stream's last chunk."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any) -> None:
+    def __init__(
+        self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any, usage: bool = False
+    ) -> None:
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.tokenizer = tokenizer
+        self.usage = usage  # a stream's `stream_options.include_usage`
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -171,10 +199,27 @@ class Reply:
         return self._wrap(True, self._delta(text))
 
     def closing(self, result: Result) -> dict[str, Any]:
-        """The last chunk: finish reason, log-probabilities, usage and delspec statistics."""
+        """The chunk that ends the choice: finish reason, log-probabilities and delspec
+        statistics."""
         choice = {**self._delta(None), "finish_reason": result.finish_reason}
         choice["logprobs"] = self._logprobs(result)
         return self._wrap(True, choice, result)
+
+    def usage_chunk(self, result: Result) -> dict[str, Any]:
+        """A stream's last chunk when `usage` was asked for: no choices, the usage (OpenAI's
+        `stream_options.include_usage`)."""
+        chunk = self._wrap(True, {})
+        chunk["choices"] = []
+        chunk["usage"] = self._usage(result)
+        return chunk
+
+    def _usage(self, result: Result) -> dict[str, int]:
+        completion = len(result.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
     def _delta(self, text: str | None) -> dict[str, Any]:
         if self.chat:
@@ -222,13 +267,12 @@ class Reply:
             "model": self.model,
             "choices": [{"index": 0, "finish_reason": None, **choice}],
         }
+        if chunk and self.usage:
+            out["usage"] = None  # in every chunk but the last, as OpenAI's
+        elif not chunk and result is not None:
+            out["usage"] = self._usage(result)
         if result is not None:
             stats = result.stats
-            out["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(result.token_ids),
-                "total_tokens": self.prompt_tokens + len(result.token_ids),
-            }
             out["delspec"] = {
                 "strategy": result.strategy,
                 "acceptance_rate": _rounded(stats.acceptance_rate, 4),
