@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if trace is not None:  # after the result is out: a failed write loses only the trace
             try:
                 trace.writelines(json.dumps(entry) + "\n" for entry in result.trace or ())
-                trace.flush()
+                trace.close()  # closed even if this fails
             except OSError as exc:
                 print(f"delspec: error: --trace {args.trace}: {exc.strerror}", file=sys.stderr)
                 return 1
@@ -170,7 +170,7 @@ def add_info(sub: argparse._SubParsersAction) -> None:
     """`delspec info`: describe a model."""
     info = sub.add_parser("info", help="describe a model")
     model_arguments(info, positional=True)
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead")
     info.set_defaults(func=cmd_info)
 
 
@@ -282,8 +282,10 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "the server's strategy and batch size; --stress: batch size 5)",
     )
     load.add_argument("--clients", default="1,4,8,16", help="concurrent clients, e.g. 1,4,8,16")
-    load.add_argument("--requests-per-client", type=int, default=2)
-    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument(
+        "--requests-per-client", type=positive_int, default=2, help="requests each client sends"
+    )
+    load.add_argument("--max-tokens", type=positive_int, default=64, help="max_tokens per request")
     load.add_argument("--url", help="measure the server already running there instead")
     load.add_argument("--out", type=Path, help="results directory (default: bench-serve-results)")
     mode = load.add_mutually_exclusive_group()
@@ -389,7 +391,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         f"NAME one of: {', '.join(METHODS)}; ar is always included",
     )
     bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
+    bench.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="most tokens per reply"
+    )
     bench.add_argument(
         "--repeats",
         type=int,
@@ -464,7 +468,7 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--steps", type=int, default=50, help="Adam steps per layer after the closed-form fit"
     )
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--seed", type=seed, default=0, help="seed of the sampled replies")
     cal.set_defaults(func=cmd_calibrate)
 
 
