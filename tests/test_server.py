@@ -241,6 +241,7 @@ def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -
 BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (CHAT, b'{"messages": [', 400, None, "not valid JSON"),
     (CHAT, b"[1, 2]", 400, None, "JSON object"),
+    (CHAT, b'{"messages": "\xff"}', 400, None, "not valid JSON: 'utf-8' codec can't decode"),
     (CHAT, {}, 400, "messages", "missing"),
     (CHAT, {"messages": "hi"}, 400, "messages", "list"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),

@@ -261,10 +261,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     handle(APIError, lambda _, exc: exc)
     handle(RequestValidationError, lambda _, exc: validation_error(exc))
     handle(DelspecError, lambda _, exc: as_api_error(exc))
-    handle(
-        StarletteHTTPException,
-        lambda request, exc: APIError(
-            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
-        ),
-    )
+    handle(StarletteHTTPException, _http_error)
     handle(Exception, lambda _, exc: as_api_error(exc))
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors: an unknown route or method, or a body FastAPI
+    could not read as JSON for a reason other than its syntax (bytes that are not UTF-8)."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
+        return APIError(400, f"the request body is not valid JSON: {exc.__cause__}")
+    return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
