@@ -251,3 +251,16 @@ def test_the_summary_breaks_between_fields(smollm2, capsys, monkeypatch):
     fields = [f for line in lines for f in line.split(" · ")]
     assert len(lines) > 1 and len(fields) == 9
     assert all(re.fullmatch(field, f) for f in fields), lines
+
+
+def test_output_paths_are_checked_before_the_work(no_model, capsys, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for argv, message in [
+        (["bench", "--out", str(file)], f"--out {file} is a file, not a directory"),
+        (["bench-serve", "--out", str(file / "x")], f"--out {file / 'x'}: Not a directory"),
+        (["calibrate", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
+        (["calibrate", "--out", str(file / "x.safetensors")], f"--out {file} is a file, not a"),
+    ]:
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith(f"delspec: error: {message}")

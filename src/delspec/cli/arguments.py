@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from delspec.errors import ConfigError
 
 if TYPE_CHECKING:
     from delspec.decode_config import DecodeConfig
@@ -189,6 +193,21 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     if depth is not None:
         make_policy(config, depth)
     return config
+
+
+def writable_directory(path: Path, flag: str) -> Path:
+    """`path`, a directory created now if missing, after a file was written there and removed:
+    checked before a long command's work, not when its results are written. `ConfigError`
+    naming `flag` if it cannot be."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def load(args: argparse.Namespace) -> LoadedModel:

@@ -21,6 +21,7 @@ from delspec.cli.arguments import (
     positive_int,
     positive_number,
     seed,
+    writable_directory,
 )
 from delspec.errors import ConfigError, DelspecError
 
@@ -319,6 +320,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     )
     if args.soak is not None or args.stress:
         return _bench_serve_hostile(args, serve_args)
+    out = writable_directory(args.out or Path("bench-serve-results"), "--out")
     setups = parse_setups(args.setups or "ar@1,ar,del-fast@1,del-fast")
     try:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -326,7 +328,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
     if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    out = args.out or Path("bench-serve-results")
     run_bench_serve(
         serve_args,
         setups,
@@ -353,7 +354,7 @@ def _bench_serve_hostile(args: argparse.Namespace, serve_args: list[str]) -> int
         if setup.max_batch is not None:
             serve_args += ["--max-batch", str(setup.max_batch)]
     if args.soak is not None:
-        out = args.out or Path("bench-serve-soak")
+        out = writable_directory(args.out or Path("bench-serve-soak"), "--out")
         result = run_soak(
             serve_args, args.soak, out, url=args.url, max_tokens=args.max_tokens,
             long_tokens=args.long_tokens or 1500,
@@ -364,7 +365,7 @@ def _bench_serve_hostile(args: argparse.Namespace, serve_args: list[str]) -> int
             f"{result.rss_growth_pct}%; wrote results.json, table.md to {out}"
         )
         return 0
-    out = args.out or Path("bench-serve-stress")
+    out = writable_directory(args.out or Path("bench-serve-stress"), "--out")
     results = run_stress(serve_args, out, url=args.url, long_tokens=args.long_tokens or 3000)
     joins, bodies = results["long_prompt_joins"], results["big_bodies"]
     print(
@@ -424,6 +425,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from delspec.bench.runner import run_bench
     from delspec.bench.sweeps import calibration_count
 
+    writable_directory(args.out, "--out")
     methods = parse_methods(args.methods)
     tasks = args.tasks.split(",") if args.tasks else None
     prompts = select_prompts(
@@ -479,6 +481,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from delspec.adapters import default_adapters_path, save_adapters
     from delspec.calibration import calibrate, read_prompts
 
+    if args.out is not None:
+        if args.out.is_dir():
+            raise ConfigError(f"--out {args.out} is a directory; name the adapters file")
+        writable_directory(args.out.parent, "--out")
     lm = load(args)
     adapters = calibrate(
         lm,
