@@ -9,7 +9,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from delspec.cli.arguments import (
     decode_arguments,
@@ -24,6 +24,9 @@ from delspec.cli.arguments import (
     writable_directory,
 )
 from delspec.errors import ConfigError, DelspecError
+
+if TYPE_CHECKING:
+    from delspec.generate import Result
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
@@ -63,7 +66,7 @@ def _stop_string(text: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from delspec.generate import Result, checked_stop, checked_text, generate
+    from delspec.generate import checked_stop, checked_text, generate
     from delspec.sampling import Sampling
 
     config = decode_config(args)
@@ -79,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             style = DRAFT_STYLE if kind == "draft" else None
             console.print(piece, style=style, end="", markup=False)
 
-        result: Result = generate(
+        result = generate(
             lm,
             prompt,
             config,
@@ -132,7 +135,7 @@ def _trace_file(path: Path | None) -> Iterator[IO[str] | None]:
             raise
 
 
-def _print_summary(result: Any, terminal: bool) -> None:
+def _print_summary(result: Result, terminal: bool) -> None:
     """The statistics line after a generation, on standard error; broken between fields
     only (when it is wider than the terminal)."""
     from rich.console import Console
@@ -320,7 +323,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     )
     if args.soak is not None or args.stress:
         return _bench_serve_hostile(args, serve_args)
-    out = writable_directory(args.out or Path("bench-serve-results"), "--out")
     setups = parse_setups(args.setups or "ar@1,ar,del-fast@1,del-fast")
     try:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -328,6 +330,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
     if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
+    out = writable_directory(args.out or Path("bench-serve-results"), "--out")
     run_bench_serve(
         serve_args,
         setups,
@@ -425,12 +428,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from delspec.bench.runner import run_bench
     from delspec.bench.sweeps import calibration_count
 
-    writable_directory(args.out, "--out")
     methods = parse_methods(args.methods)
     tasks = args.tasks.split(",") if args.tasks else None
     prompts = select_prompts(
         tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
     )
+    writable_directory(args.out, "--out")  # after the arguments' checks, before the work
     result = run_bench(
         load(args),
         methods,

@@ -171,7 +171,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 class Reply:
     """Builds the OpenAI response objects of one chat or text completion. Log-probabilities
-    (when asked for) come whole with the response, or with a stream's last chunk."""
+    (when asked for) come whole with the response, or with a stream's chunk that carries the
+    finish reason."""
 
     def __init__(
         self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any, usage: bool = False
