@@ -20,10 +20,11 @@ from test_generate import CUT_OFF_PROMPTS
 from tiny_models import tiny_model
 
 from delspec.decode_config import DEFAULT_STRATEGY, DecodeConfig
+from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.sampling import Sampling
-from delspec.server import create_app
+from delspec.server import create_app, serve
 from delspec.server import serving as running
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
@@ -556,3 +557,9 @@ def test_a_body_that_is_not_json_is_named_so(
 ) -> None:
     response = post_raw(tiny_url + TEXT, body, **{"content-type": content_type})
     assert fragment in assert_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999, "8000"])
+def test_a_port_outside_the_range_is_a_config_error(reference: LoadedModel, port: Any) -> None:
+    with pytest.raises(ConfigError, match=f"port must be an integer in 0..65535, got {port!r}"):
+        serve(reference, port=port)
