@@ -257,10 +257,11 @@ def test_output_paths_are_checked_before_the_work(no_model, capsys, tmp_path):
     file = tmp_path / "a-file"
     file.write_text("")
     for argv, message in [
-        (["bench", "--out", str(file)], f"--out {file} is a file, not a directory"),
-        (["bench-serve", "--out", str(file / "x")], f"--out {file / 'x'}: Not a directory"),
+        (["bench", "--out", str(file)], f"--out {file}: {file} is a file, not a directory"),
+        (["bench-serve", "--out", str(file / "x")], f"--out {file / 'x'}: {file} is a file"),
         (["calibrate", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
-        (["calibrate", "--out", str(file / "x.safetensors")], f"--out {file} is a file, not a"),
+        (["calibrate", "--out", str(file / "x.st")], f"--out {file}: {file} is a file"),
     ]:
         assert main(argv) == 2, argv
         assert capsys.readouterr().err.startswith(f"delspec: error: {message}")
+    assert sorted(tmp_path.iterdir()) == [file]  # nothing created

@@ -196,14 +196,16 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 def writable_directory(path: Path, flag: str) -> Path:
-    """`path`, a directory created now if missing, after a file was written there and removed:
-    checked before a long command's work, not when its results are written. `ConfigError`
-    naming `flag` if it cannot be."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {path} is a file, not a directory")
+    """`path`, checked before a long command's work rather than when its results are written
+    (the writer creates it): a directory, or none yet, under a directory a file can be written
+    in. Nothing is created. `ConfigError` naming `flag` if not."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
