@@ -50,6 +50,7 @@ def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},  # the usage in a last chunk
     }
 
 
@@ -82,7 +83,7 @@ async def stream_chat(
                     out.error = f"{error.get('type')}: {error.get('code')}"
                     out.server_error = error.get("type") == "server_error"
                     continue
-                if "usage" in chunk:
+                if chunk.get("usage"):  # null but in the last chunk
                     out.tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or [{}]
                 piece = choices[0].get("delta", {}).get("content")
