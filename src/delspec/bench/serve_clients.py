@@ -43,15 +43,16 @@ class Streamed:
         return list(itertools.pairwise(self.times))
 
 
-def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy streaming chat request for `prompt`."""
-    return {
+def chat_body(prompt: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    """A greedy chat request for `prompt`, streaming (with the usage in a last chunk) unless
+    `stream` is false."""
+    body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},  # the usage in a last chunk
+        "stream": stream,
     }
+    return {**body, "stream_options": {"include_usage": True}} if stream else body
 
 
 async def stream_chat(
