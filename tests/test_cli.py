@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
+import subprocess
+import sys
+from importlib.metadata import version
 
 import pytest
+from test_generate import CUT_OFF_PROMPTS
 
 import delspec.loading
-from delspec.cli import main
+from delspec.cli import build_parser, main
 from delspec.decode_config import DEFAULT_STRATEGY
 
 
@@ -100,7 +106,7 @@ def test_generate_streams_text_and_a_summary(smollm2, capsys):
     assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip()
-    assert "strategy ar" in captured.err
+    assert "strategy ar" in captured.err and "mean exit layer" not in captured.err
     assert re.search(r"decode \d+\.\d tok/s .* end-to-end \d+\.\d tok/s", captured.err)
 
 
@@ -151,6 +157,13 @@ def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
         (["serve", "--prefill-chunk", "0"], "--prefill-chunk: expected an integer >= 1"),
         (["bench-serve", "--soak", "0"], "--soak: expected a number > 0, got '0'"),
         (["bench-serve", "--soak", "5", "--stress"], "not allowed with argument --soak"),
+        (["serve", "--port", "99999"], "--port: expected an integer 0..65535, got '99999'"),
+        (["serve", "--max-queue", "-1"], "--max-queue: expected an integer >= 0"),
+        (["serve", "--max-batch", "0"], "--max-batch: expected an integer >= 1"),
+        (["serve", "--timeout", "0"], "--timeout: expected a number > 0"),
+        (["serve", "--replicas", "0"], "--replicas: expected an integer >= 1"),
+        (["generate", "x", "--seed", "-1"], "--seed: expected an integer 0..9223372036854775807"),
+        (["generate", "x", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
     ],
 )
 def test_bad_arguments_are_refused_when_parsed(capsys, argv, message):
@@ -168,3 +181,116 @@ def test_the_exit_layer_is_checked_before_the_model_loads(smollm2, capsys, monke
     argv = ["generate", "x", "--strategy", "static", "--exit-layer", "999"]
     assert main(argv) == 2
     assert "exit layer must be in 1..30" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if the command loads a model."""
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(delspec.loading, "load_model", no_load)
+
+
+@pytest.mark.parametrize(
+    "argv", [["generate", "caf\udce9 au lait"], ["generate", "x", "--stop", "\udce9"]]
+)
+def test_text_that_is_not_utf8_is_an_error_before_the_model_loads(no_model, capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("delspec: error: ") and "is not valid text: '\\udce9'" in err
+    assert len(err.splitlines()) == 1
+
+
+def run_cli(*argv: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    """`delspec ...` in a process of its own."""
+    command = [sys.executable, "-m", "delspec.cli", *argv]
+    return subprocess.run(command, input=stdin, capture_output=True, timeout=300, env=os.environ)
+
+
+def test_standard_input_that_is_not_utf8_is_a_one_line_error():
+    done = run_cli("generate", "-", stdin=b"caf\xe9 au lait")
+    assert done.returncode == 2 and done.stdout == b""
+    assert done.stderr.decode().splitlines() == [
+        "delspec: error: the prompt is not valid text: '\\udce9' at character 3 is a lone "
+        "surrogate (from bytes that are not UTF-8, or a JSON \\u escape of half a character)"
+    ]
+
+
+def test_a_trace_path_that_cannot_be_written_fails_before_generating(no_model, capsys, tmp_path):
+    trace = tmp_path / "missing" / "rounds.jsonl"
+    assert main(["generate", "Hi", "--trace", str(trace)]) == 2
+    assert (
+        capsys.readouterr().err == f"delspec: error: --trace {trace}: No such file or directory\n"
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_failed_trace_write_keeps_the_result(smollm2, capsys):
+    argv = ["generate", "Hi", "--max-new-tokens", "4", "--strategy", "ar", "--json"]
+    assert main([*argv, "--trace", "/dev/full"]) == 1  # every write fails: the disk is full
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["token_ids"]) == 4
+    assert captured.err == "delspec: error: --trace /dev/full: No space left on device\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", CUT_OFF_PROMPTS)
+def test_a_character_the_token_limit_cut_is_left_out(smollm2, capsys, prompt):
+    argv = ["generate", prompt, "--max-new-tokens", "16", "--strategy", "ar"]
+    assert main([*argv, "--json"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    whole = smollm2.tokenizer.decode(reply["token_ids"])
+    assert whole.endswith("\ufffd") and reply["text"] == whole.rstrip("\ufffd")
+    assert main(argv) == 0
+    assert capsys.readouterr().out == reply["text"] + "\n"  # streamed: the same text
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"delspec {version('delspec')}\n"
+
+
+def test_every_option_has_help_that_shows_its_default():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or action.default == argparse.SUPPRESS:
+                continue
+            assert action.help, f"{name} {action.dest} has no help"
+            if action.default is not None and action.default is not False:
+                assert "default" in formatter._expand_help(action), f"{name} {action.dest}"
+    generate_help = " ".join(commands.choices["generate"].format_help().split())
+    assert "--max-new-tokens MAX_NEW_TOKENS most tokens to generate (default: 128)" in generate_help
+
+
+def test_the_summary_breaks_between_fields(smollm2, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    argv = ["generate", "Hello", "--max-new-tokens", "6", "--strategy", "static"]
+    assert main([*argv, "--exit-layer", "26", "--draft-length", "2"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    field = (
+        r"── \d+ tokens|decode [\d.]+ tok/s|prefill \d+ ms|end-to-end [\d.]+ tok/s|strategy static"
+        r"|acceptance \d+%|mean exit layer 26\.0|mean draft [\d.]+|eTPL [\d.]+"
+    )
+    fields = [f for line in lines for f in line.split(" · ")]
+    assert len(lines) > 1 and len(fields) == 9
+    assert all(re.fullmatch(field, f) for f in fields), lines
+
+
+def test_output_paths_are_checked_before_the_work(no_model, capsys, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    for argv, message in [
+        (["bench", "--out", str(file)], f"--out {file}: {file} is a file, not a directory"),
+        (["bench-serve", "--out", str(file / "x")], f"--out {file / 'x'}: {file} is a file"),
+        (["calibrate", "--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
+        (["calibrate", "--out", str(file / "x.st")], f"--out {file}: {file} is a file"),
+    ]:
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith(f"delspec: error: {message}")
+    assert sorted(tmp_path.iterdir()) == [file]  # nothing created

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import tiny_model
 
 from delspec.errors import ConfigError
-from delspec.generate import generate
+from delspec.generate import TextStream, generate
 from delspec.loading import LoadedModel
 from delspec.sampling import Sampling
 
@@ -45,6 +45,10 @@ def test_sampling_keywords_are_a_sampling(tiny: LoadedModel) -> None:
         ("", {"chat": True}, "the chat message is empty"),
         ("Hi", {"stop": [""]}, "stop strings must be non-empty"),
         ("Hi", {"stop": ["x", 3]}, "stop strings must be non-empty text, got 3"),
+        ("\ud800 hi", {}, "the prompt is not valid text: '\\\\ud800' at character 0"),
+        ("caf\udce9", {"chat": True}, "chat message 0's content is not valid text"),
+        ([{"role": "user", "content": "\udc00"}], {}, "chat message 0's content is not valid"),
+        ("Hi", {"stop": ["\ud83d"]}, "a stop string is not valid text"),
     ],
 )
 def test_bad_arguments_are_config_errors(
@@ -61,9 +65,49 @@ def test_a_single_stop_string(tiny: LoadedModel) -> None:
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
 
 
-def test_acceptance_rate_is_none_when_nothing_was_drafted(tiny: LoadedModel) -> None:
+def test_statistics_without_a_value_are_none(tiny: LoadedModel) -> None:
     plain = generate(tiny, "Hi", strategy="ar", max_new_tokens=4)
     assert plain.stats.drafted == 0 and plain.as_dict()["stats"]["acceptance_rate"] is None
+    assert (
+        plain.stats.mean_exit_layer is None and plain.as_dict()["stats"]["mean_exit_layer"] is None
+    )
     drafted = generate(tiny, "Hi", strategy="static", exit_layer=2, max_new_tokens=6)
     assert drafted.stats.drafted > 0
     assert drafted.as_dict()["stats"]["acceptance_rate"] == round(drafted.stats.acceptance_rate, 6)
+
+
+def test_should_stop_is_asked_before_the_first_round(tiny: LoadedModel) -> None:
+    stopped = generate(tiny, "Hi", max_new_tokens=8, should_stop=lambda: True)
+    assert stopped.token_ids == [] and stopped.text == "" and stopped.finish_reason == "cancelled"
+    rounds = iter([False, False, True])
+    later = generate(tiny, "Hi", strategy="ar", max_new_tokens=8, should_stop=lambda: next(rounds))
+    assert len(later.token_ids) == 2 and later.finish_reason == "cancelled"
+
+
+# prompts whose 16-token greedy replies end inside a multi-byte character
+CUT_OFF_PROMPTS = ["北京是中国的首都，", "Reply with emojis only: 👍🏽💡"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", CUT_OFF_PROMPTS)
+def test_a_character_the_token_limit_cut_is_left_out(smollm2: LoadedModel, prompt: str) -> None:
+    pieces: list[str] = []
+    result = generate(
+        smollm2, prompt, strategy="ar", max_new_tokens=16, on_text=lambda p, _: pieces.append(p)
+    )
+    whole = smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert len(result.token_ids) == 16 and whole.endswith("\ufffd")  # the limit cut a character
+    assert result.text == whole.rstrip("\ufffd") and "".join(pieces) == result.text
+
+
+def test_a_replacement_character_more_text_follows_stays(smollm2: LoadedModel) -> None:
+    tokenizer = smollm2.tokenizer
+    lead = tokenizer.convert_tokens_to_ids("å")  # byte 0xE5 alone: a 3-byte character's first
+    more = tokenizer.encode(" and more")
+    assert tokenizer.decode([lead]) == "\ufffd"
+    stream = TextStream(tokenizer, tokenizer.encode("Hi"))
+    pieces = stream.push([lead], "target") + stream.push(more, "target") + stream.finish()
+    assert stream.text == "\ufffd and more" == "".join(text for text, _ in pieces)
+    cut = TextStream(tokenizer, tokenizer.encode("Hi"))
+    pieces = cut.push(more, "target") + cut.push([lead], "target") + cut.finish()
+    assert cut.text == " and more" == "".join(text for text, _ in pieces)

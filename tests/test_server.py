@@ -15,13 +15,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
+from test_generate import CUT_OFF_PROMPTS
 from tiny_models import tiny_model
 
 from delspec.decode_config import DEFAULT_STRATEGY, DecodeConfig
+from delspec.errors import ConfigError
 from delspec.generate import generate
 from delspec.loading import LoadedModel
 from delspec.sampling import Sampling
-from delspec.server import create_app
+from delspec.server import create_app, serve
 from delspec.server import serving as running
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
@@ -127,12 +130,18 @@ def test_openai_client_streams_and_matches_autoregressive(smollm2: LoadedModel) 
         assert stats["strategy"] == DEFAULT_STRATEGY
         assert {"acceptance_rate", "mean_exit_layer", "tokens_per_s"} <= set(stats)
 
-        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **args))
+        usage = {"include_usage": True}
+        chunks = list(
+            client.chat.completions.create(
+                messages=MESSAGES, stream=True, stream_options=usage, **args
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expect_chat.text
-        assert chunks[-1].choices[0].finish_reason == expect_chat.finish_reason
+        assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expect_chat.text
+        assert chunks[-2].choices[0].finish_reason == expect_chat.finish_reason
+        assert chunks[-2].model_extra["delspec"]["strategy"] == DEFAULT_STRATEGY
+        assert chunks[-1].choices == []
         assert chunks[-1].usage.completion_tokens == len(expect_chat.token_ids)
-        assert chunks[-1].model_extra["delspec"]["strategy"] == DEFAULT_STRATEGY
 
         text = client.completions.create(prompt=prompt, **args)
         assert text.choices[0].text == expect_text.text
@@ -298,6 +307,7 @@ def test_timeouts_answer_503_and_504_and_stop_generation(smollm2: LoadedModel) -
 BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     (CHAT, b'{"messages": [', 400, None, "not valid JSON"),
     (CHAT, b"[1, 2]", 400, None, "JSON object"),
+    (CHAT, b'{"messages": "\xff"}', 400, None, "not valid JSON: 'utf-8' codec can't decode"),
     (CHAT, {}, 400, "messages", "missing"),
     (CHAT, {"messages": "hi"}, 400, "messages", "list"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),
@@ -404,15 +414,15 @@ def test_requests_choose_their_decoding_over_the_servers(smollm2: LoadedModel) -
             ({"draft_length": 2}, "static", 2),
             ({"strategy": "static"}, "static", 2),
             ({"strategy": "static", "exit_layer": 3}, "static", 3),
-            ({"preset": "paper"}, "del", None),
-            ({"strategy": "ar"}, "ar", 0),
+            ({"preset": "paper"}, "del", ...),  # whichever layers DEL chose
+            ({"strategy": "ar"}, "ar", None),  # nothing drafted from a layer: no mean
         ]:
             request = body if delspec is None else {**body, "delspec": delspec}
             reply = httpx.post(url + TEXT, json=request, timeout=TIMEOUT).json()
             assert reply["choices"][0]["text"] == expected.text, delspec
             stats = reply["delspec"]
             assert stats["strategy"] == strategy, delspec
-            if exit_layer is not None:
+            if exit_layer is not ...:
                 assert stats["mean_exit_layer"] == exit_layer, delspec
 
 
@@ -475,9 +485,11 @@ def test_acceptance_rate_is_null_when_nothing_was_drafted(tiny_url: str) -> None
     body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
     plain = httpx.post(tiny_url + TEXT, json={**body, "delspec": {"strategy": "ar"}}).json()
     assert plain["delspec"]["acceptance_rate"] is None
+    assert plain["delspec"]["mean_exit_layer"] is None
     options = {"strategy": "static", "exit_layer": 2}
     drafted = httpx.post(tiny_url + TEXT, json={**body, "delspec": options}).json()
     assert 0 <= drafted["delspec"]["acceptance_rate"] <= 1
+    assert drafted["delspec"]["mean_exit_layer"] == 2
 
 
 def test_bodies_past_the_limit_get_413(smollm2: LoadedModel) -> None:
@@ -538,3 +550,101 @@ def test_health_answers_while_clients_send_large_bodies(tiny_url: str) -> None:
     assert slowest < 2.0
     error = assert_error(httpx.post(tiny_url + TEXT, json=big, timeout=TIMEOUT), 400, "prompt")
     assert error["code"] == "context_length_exceeded" and "3000000 characters" in error["message"]
+
+
+def post_raw(url: str, body: str, **headers: str) -> httpx.Response:
+    """POST `body`, JSON text as written (e.g. with a \\ud800 escape that Python's JSON encoders
+    would not write), as application/json unless `headers` say otherwise."""
+    headers = {"content-type": "application/json", **headers}
+    return httpx.post(url, content=body.encode(), headers=headers, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+def test_text_that_is_not_unicode_gets_400_naming_the_field(tiny_url: str, stream: str) -> None:
+    chat = f'{{"messages":[{{"role":"user","content":"\\ud800 hi"}}],"stream":{stream}}}'
+    error = assert_error(post_raw(tiny_url + CHAT, chat), 400, "messages")
+    assert "chat message 0's content is not valid text: '\\ud800'" in error["message"]
+    text = f'{{"prompt":"caf\\udce9 au lait","stream":{stream}}}'
+    error = assert_error(post_raw(tiny_url + TEXT, text), 400, "prompt")
+    assert "the prompt is not valid text" in error["message"]
+    stop = f'{{"prompt":"hi","stop":["\\udc00"],"stream":{stream}}}'
+    assert "not valid text" in assert_error(post_raw(tiny_url + TEXT, stop), 400, "stop")["message"]
+    model = f'{{"prompt":"hi","model":"\\ud800","stream":{stream}}}'
+    error = assert_error(post_raw(tiny_url + TEXT, model), 404, "model")
+    assert "the model '\ud800' does not exist" in error["message"]  # sent back as it came
+    assert httpx.get(tiny_url + "/health").json()["status"] == "ok"
+
+
+def test_the_openai_client_gets_a_400_for_text_that_is_not_unicode(tiny_url: str) -> None:
+    client = openai.OpenAI(base_url=tiny_url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+    body = b'{"messages":[{"role":"user","content":"\\ud800 hi"}],"max_tokens":4}'
+    with pytest.raises(openai.BadRequestError) as error:
+        client.post("/chat/completions", content=body, cast_to=ChatCompletion)
+    assert error.value.status_code == 400 and error.value.body["param"] == "messages"
+    assert "not valid text" in error.value.body["message"]
+
+
+@pytest.mark.slow
+def test_a_character_the_token_limit_cut_is_left_out_of_answers(smollm2: LoadedModel) -> None:
+    expected = [generate(smollm2, p, strategy="ar", max_new_tokens=16) for p in CUT_OFF_PROMPTS]
+    with running(create_app(smollm2, config=DecodeConfig("ar"), max_batch=1)) as url:
+        for prompt, result in zip(CUT_OFF_PROMPTS, expected, strict=True):
+            assert not result.text.endswith("\ufffd")
+            for stream in (False, True):
+                body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": stream}
+                assert answer(url, TEXT, body) == (result.text, "length")
+
+
+def test_usage_is_streamed_only_when_asked_in_a_last_chunk(tiny_url: str) -> None:
+    client = openai.OpenAI(base_url=tiny_url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+    args: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True}
+    chat = {"messages": MESSAGES, **args}
+    with httpx.stream("POST", tiny_url + CHAT, json=chat, timeout=TIMEOUT) as response:
+        assert all("usage" not in event for event in sse(response)[:-1])
+    for create, asked in [
+        (client.chat.completions.create, {"messages": MESSAGES}),
+        (client.completions.create, {"prompt": "Hello"}),
+    ]:
+        chunks = list(create(**asked, **args, stream_options={"include_usage": True}))
+        *choices, last = chunks
+        assert all(c.usage is None and len(c.choices) == 1 for c in choices)
+        assert choices[-1].choices[0].finish_reason == "length"
+        assert last.choices == [] and last.usage.completion_tokens == 4
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 4
+    body = {"prompt": "hi", "stream_options": {"include_usage": True}}
+    assert (
+        "stream: true"
+        in assert_error(httpx.post(tiny_url + TEXT, json=body), 400, "stream_options")["message"]
+    )
+
+
+def test_a_model_is_retrieved_by_its_id(tiny_url: str) -> None:
+    client = openai.OpenAI(base_url=tiny_url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.owned_by == "delspec"
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4o' does not exist"):
+        client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "fragment"),
+    [
+        ("{bad json", "application/x-www-form-urlencoded", "not valid JSON: Expecting property"),
+        ("{bad json", "application/json", "not valid JSON: Expecting property"),
+        ("", "application/json", "the request body is empty"),
+        ("", "application/x-www-form-urlencoded", "the request body is empty"),
+        ('{"prompt": "hi"}', "text/plain", "Content-Type: application/json"),
+    ],
+)
+def test_a_body_that_is_not_json_is_named_so(
+    tiny_url: str, body: str, content_type: str, fragment: str
+) -> None:
+    response = post_raw(tiny_url + TEXT, body, **{"content-type": content_type})
+    assert fragment in assert_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999, "8000"])
+def test_a_port_outside_the_range_is_a_config_error(reference: LoadedModel, port: Any) -> None:
+    with pytest.raises(ConfigError, match=f"port must be an integer in 0..65535, got {port!r}"):
+        serve(reference, port=port)

@@ -127,16 +127,10 @@ def test_replicas_without_ray_say_how_to_install_it(monkeypatch: pytest.MonkeyPa
         pass
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [
-        (["--replicas", "0"], "--replicas must be >= 1"),
-        (["--replicas", "2", "--model", "/no/such.gguf"], "does not exist"),  # before Ray starts
-    ],
-)
-def test_bad_replica_settings_are_refused_in_one_line(flags, message, capsys) -> None:
-    assert main(["serve", *flags]) == 2
-    assert message in capsys.readouterr().err
+def test_bad_replica_settings_are_refused_in_one_line(capsys) -> None:
+    # (--replicas 0 is refused as the command line is parsed: test_cli)
+    assert main(["serve", "--replicas", "2", "--model", "/no/such.gguf"]) == 2  # before Ray
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_an_unreachable_ray_cluster_is_refused_at_once(capsys) -> None:

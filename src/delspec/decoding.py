@@ -32,7 +32,8 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 @dataclass
 class Stats:
-    """Timing and speculation statistics of one generation."""
+    """Timing and speculation statistics of one generation; a statistic with no value (e.g.
+    an acceptance rate when nothing was drafted) is None."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -42,9 +43,9 @@ class Stats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    acceptance_rate: float = 0.0
+    acceptance_rate: float | None = None  # None: nothing drafted
     etpl: float = 0.0  # sum(accepted + 1) / sum(E * T + L)
-    mean_exit_layer: float = 0.0  # over rounds with exit-layer drafts
+    mean_exit_layer: float | None = None  # over rounds with exit-layer drafts; None: none
     mean_draft_length: float = 0.0  # over all rounds
     layer_rounds: int = 0  # rounds with exit-layer drafts
     context_rounds: int = 0  # rounds with context drafts
@@ -63,7 +64,7 @@ class Stats:
 @dataclass
 class Decoded:
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop string, or caller), "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled" (by its caller)
     stats: Stats
     trace: list[dict[str, Any]] | None = None
     logprobs: list[TokenLogprob] | None = None
@@ -208,9 +209,9 @@ class Decoding:
             self.logprobs.extend(_logprobs(record.logits, tokens, self.top_logprobs))
         return tokens
 
-    def stop(self) -> None:
-        """End the sequence here (a stop string, or its caller is gone)."""
-        self.finish_reason = "stop"
+    def stop(self, reason: str = "stop") -> None:
+        """End the sequence here: "stop" (a stop string), or "cancelled" (its caller)."""
+        self.finish_reason = reason
 
     def finish(self) -> Decoded:
         """What the sequence decoded, with its statistics (its policy `finish`ed, in the decode
@@ -384,12 +385,12 @@ class _Totals:
         stats.prefill_ms = prefill_s * 1000
         stats.decode_ms_per_token = decode_s * 1000 / max(1, new_tokens)
         stats.tokens_per_s = new_tokens / decode_s if decode_s > 0 else 0.0
-        stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+        stats.acceptance_rate = stats.accepted / stats.drafted if stats.drafted else None
         loads = self.layer_loads
         stats.etpl = (stats.accepted + stats.rounds) / loads if loads else 0.0
         stats.mean_draft_length = stats.drafted / stats.rounds if stats.rounds else 0.0
         rounds = stats.layer_rounds
-        stats.mean_exit_layer = self.exit_sum / rounds if rounds else 0.0
+        stats.mean_exit_layer = self.exit_sum / rounds if rounds else None
         stats.policy_share = stats.policy_s / decode_s if decode_s > 0 else 0.0
         return stats
 

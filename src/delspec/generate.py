@@ -39,25 +39,26 @@ class Result:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """The result as JSON values; `stats.acceptance_rate` is None when nothing was drafted
-        (where `Stats` holds 0.0)."""
-        stats = self.stats.as_dict()
-        if not self.stats.drafted:
-            stats["acceptance_rate"] = None
+        """The result as JSON values (statistics without a value are None)."""
         return {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "strategy": self.strategy,
-            "stats": stats,
+            "stats": self.stats.as_dict(),
         }
 
 
 class TextStream:
-    """Turns a growing list of token ids into text increments.
+    """Turns a growing list of token ids into text increments: the one detokenizer of the
+    library's results, the CLI's and the server's streams.
 
-    Never emits half a UTF-8 character, and holds back text that may still become a stop
-    string. `push` returns the (text, kind) pieces that are final; `finish` flushes the rest.
+    Never emits half a UTF-8 character (as vLLM's incremental detokenizer, a text that ends in
+    U+FFFD waits for the tokens that complete it), and holds back text that may still become a
+    stop string. `push` returns the (text, kind) pieces that are final; `finish` flushes the
+    rest, except a character the generation ended inside (its token limit or its caller cut
+    it): the U+FFFD its first bytes decode to is no text the model wrote. A U+FFFD that more
+    text follows stays.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
@@ -90,7 +91,7 @@ class TextStream:
     def finish(self) -> list[tuple[str, str]]:
         if not self.stopped:
             before = self._decode(self.ids[self.prefix : self.read])
-            after = self._decode(self.ids[self.prefix :])
+            after = self._decode(self.ids[self.prefix :]).rstrip("\ufffd")
             if len(after) > len(before):
                 self._append(after[len(before) :], "target")
         return self._release(final=True)
@@ -131,7 +132,7 @@ def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[i
             raise ConfigError("the chat message is empty")
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
-        return lm.tokenizer.encode(prompt)
+        return lm.tokenizer.encode(checked_text(prompt, "the prompt"))
     if not isinstance(prompt, Sequence):
         raise ConfigError(
             "the prompt must be text, token ids or a chat conversation (a list of "
@@ -155,7 +156,26 @@ def _checked_conversation(messages: Sequence[dict[str, Any]]) -> list[dict[str, 
     for i, message in enumerate(messages):
         if not all(isinstance(message.get(key), str) for key in ("role", "content")):
             raise ConfigError(f"chat message {i} needs a text 'role' and 'content': {message!r}")
+        for key in ("role", "content"):
+            checked_text(message[key], f"chat message {i}'s {key}")
     return list(messages)
+
+
+def checked_text(text: str, name: str) -> str:
+    """`text`, if it is Unicode text that UTF-8 can encode; else `ConfigError` naming `name`
+    (the tokenizer would fail on it): the text a user gives goes through here, in the library,
+    the CLI and the server. A lone surrogate is what a JSON escape such as "\\ud800" and bytes
+    that are not UTF-8 (read with Python's surrogateescape: a command line's, a pipe's) become.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ConfigError(
+            f"{name} is not valid text: {bad!r} at character {exc.start} is a lone surrogate "
+            "(from bytes that are not UTF-8, or a JSON \\u escape of half a character)"
+        ) from None
+    return text
 
 
 def checked_stop(stop: str | Sequence[str]) -> list[str]:
@@ -165,6 +185,7 @@ def checked_stop(stop: str | Sequence[str]) -> list[str]:
     for s in stops:
         if not isinstance(s, str) or not s:
             raise ConfigError(f"stop strings must be non-empty text, got {s!r}")
+        checked_text(s, "a stop string")
     return stops
 
 
@@ -273,9 +294,10 @@ def generate(
     `prompt` is text, token ids, or a chat conversation (a list of `{"role", "content"}`);
     `chat=True` wraps text as one user message. `on_text(piece, kind)` receives the final text
     as it is produced, `kind` being "draft" for accepted draft tokens and "target" for tokens
-    the full model supplied. `should_stop()` is polled after every round (e.g. a client
-    disconnected). `logprobs=k`: the result's `logprobs` give each token's log-probability and
-    the k most likely tokens' (the model's own distribution, the same under every strategy).
+    the full model supplied. `should_stop()` is polled before every round (e.g. a client
+    disconnected): once it returns true, generation ends with finish reason "cancelled".
+    `logprobs=k`: the result's `logprobs` give each token's log-probability and the k most
+    likely tokens' (the model's own distribution, the same under every strategy).
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
     `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
@@ -296,10 +318,11 @@ def generate(
     emit = on_text or (lambda piece, kind: None)
     text.decoding.start()
     while not text.decoding.done:
+        if should_stop is not None and should_stop():
+            text.decoding.stop("cancelled")
+            break
         for piece, kind in text.advance():
             emit(piece, kind)
-        if should_stop is not None and should_stop():
-            text.decoding.stop()
     pieces, result = text.finish()
     for piece, kind in pieces:
         emit(piece, kind)

@@ -43,14 +43,16 @@ class Streamed:
         return list(itertools.pairwise(self.times))
 
 
-def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy streaming chat request for `prompt`."""
-    return {
+def chat_body(prompt: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    """A greedy chat request for `prompt`, streaming (with the usage in a last chunk) unless
+    `stream` is false."""
+    body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "stream": True,
+        "stream": stream,
     }
+    return {**body, "stream_options": {"include_usage": True}} if stream else body
 
 
 async def stream_chat(
@@ -82,7 +84,7 @@ async def stream_chat(
                     out.error = f"{error.get('type')}: {error.get('code')}"
                     out.server_error = error.get("type") == "server_error"
                     continue
-                if "usage" in chunk:
+                if chunk.get("usage"):  # null but in the last chunk
                     out.tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or [{}]
                 piece = choices[0].get("delta", {}).get("content")

@@ -141,8 +141,7 @@ async def long_join(
 
 async def _prompt_tokens(http: httpx.AsyncClient, url: str, prompt: str) -> int | None:
     """How many tokens the server counts in chat `prompt` (its usage)."""
-    body = {**chat_body(prompt, 1), "stream": False}
-    response = await http.post(url + "/v1/chat/completions", json=body)
+    response = await http.post(url + "/v1/chat/completions", json=chat_body(prompt, 1, False))
     return response.json().get("usage", {}).get("prompt_tokens") if response.is_success else None
 
 

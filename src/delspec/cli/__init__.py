@@ -6,18 +6,25 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
+from importlib.metadata import version
 
 from delspec.cli import commands
+from delspec.cli.arguments import HelpFormatter
 from delspec.errors import DelspecError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="delspec", description="DEL self-speculative decoding: lossless, faster generation."
+        prog="delspec",
+        description="DEL self-speculative decoding: lossless, faster generation.",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('delspec')}")
+    subparser = functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=subparser)
     commands.add_generate(sub)
     commands.add_info(sub)
     commands.add_serve(sub)

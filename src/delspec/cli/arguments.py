@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from delspec.errors import ConfigError
 
 if TYPE_CHECKING:
     from delspec.decode_config import DecodeConfig
     from delspec.loading import LoadedModel
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, unless its help says it already or it has none
+    (None, or False for a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action) or ""
+
 
 # flags of `decode_arguments` that are `DecodeConfig` options of the same name
 DECODE_FLAGS = (
@@ -101,12 +117,32 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
+    return _int_in(text, 1, None)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_in(text, 0, None)
+
+
+def seed(text: str) -> int:
+    """An argparse type: a sampling seed, as the server takes it (0..2^63-1)."""
+    return _int_in(text, 0, 2**63 - 1)
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port number (0: the system picks a free one)."""
+    return _int_in(text, 0, 65535)
+
+
+def _int_in(text: str, low: int, high: int | None) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        expected = f"{low}..{high}" if high is not None else f">= {low}"
+        raise argparse.ArgumentTypeError(f"expected an integer {expected}, got {text!r}")
     return value
 
 
@@ -157,6 +193,23 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     if depth is not None:
         make_policy(config, depth)
     return config
+
+
+def writable_directory(path: Path, flag: str) -> Path:
+    """`path`, checked before a long command's work rather than when its results are written
+    (the writer creates it): a directory, or none yet, under a directory a file can be written
+    in. Nothing is created. `ConfigError` naming `flag` if not."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def load(args: argparse.Namespace) -> LoadedModel:

@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from delspec.cli.arguments import (
     decode_arguments,
     decode_config,
     load,
     model_arguments,
+    non_negative_int,
+    port,
     positive_int,
     positive_number,
     sampling_control_arguments,
     sampling_controls,
+    seed,
+    writable_directory,
 )
 from delspec.errors import ConfigError, DelspecError
+
+if TYPE_CHECKING:
+    from delspec.generate import Result
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
@@ -29,11 +39,19 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("prompt", help="the prompt, or - to read it from standard input")
     model_arguments(gen)
     decode_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="most tokens to generate"
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="sample from the K likeliest (0 = off)"
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the likeliest P of mass (1 = off)"
+    )
+    gen.add_argument(
+        "--seed", type=seed, help="sampling seed, 0..2^63-1 (default: a fresh one every run)"
+    )
     sampling_control_arguments(gen)
     gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -51,68 +69,117 @@ def _stop_string(text: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from delspec.generate import generate
+    from delspec.generate import checked_stop, checked_text, generate
     from delspec.sampling import Sampling
 
     config = decode_config(args)
     sampling = Sampling(
         args.temperature, args.top_k, args.top_p, args.seed, **sampling_controls(args)
     )
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    lm = load(args)
-    console = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False)
+    prompt = read_stdin() if args.prompt == "-" else args.prompt
+    checked_text(prompt, "the prompt")  # as `generate` would, before the model loads
+    checked_stop(args.stop or ())
+    with _trace_file(args.trace) as trace:
+        lm = load(args)
+        console = Console(highlight=False, soft_wrap=True)
 
-    def show(piece: str, kind: str) -> None:
-        console.print(piece, style=DRAFT_STYLE if kind == "draft" else None, end="", markup=False)
+        def show(piece: str, kind: str) -> None:
+            style = DRAFT_STYLE if kind == "draft" else None
+            console.print(piece, style=style, end="", markup=False)
 
-    result = generate(
-        lm,
-        prompt,
-        config,
-        sampling=sampling,
-        max_new_tokens=args.max_new_tokens,
-        stop=args.stop or (),
-        chat=args.chat,
-        on_text=None if args.json else show,
-        trace=args.trace is not None,
-    )
-    if args.trace is not None:
-        with open(args.trace, "w") as f:
-            for entry in result.trace or []:
-                f.write(json.dumps(entry) + "\n")
-    if args.json:
-        print(
-            json.dumps(
-                {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}, indent=2
-            )
+        result = generate(
+            lm,
+            prompt,
+            config,
+            sampling=sampling,
+            max_new_tokens=args.max_new_tokens,
+            stop=args.stop or (),
+            chat=args.chat,
+            on_text=None if args.json else show,
+            trace=trace is not None,
         )
-        return 0
+        if args.json:
+            info = {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}
+            print(json.dumps(info, indent=2), flush=True)
+        else:
+            console.print()
+            _print_summary(result, console.is_terminal)
+        if trace is not None:  # after the result is out: a failed write loses only the trace
+            try:
+                trace.writelines(json.dumps(entry) + "\n" for entry in result.trace or ())
+                trace.close()  # closed even if this fails
+            except OSError as exc:
+                print(f"delspec: error: --trace {args.trace}: {exc.strerror}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def read_stdin() -> str:
+    """Standard input as text: UTF-8, other bytes as lone surrogates (as in `sys.argv`), which
+    `checked_text` reports."""
+    return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+
+
+@contextlib.contextmanager
+def _trace_file(path: Path | None) -> Iterator[IO[str] | None]:
+    """`--trace`'s file, opened before any work (a path that cannot be written is an error
+    now, not after the generation); removed again if the command fails before writing it."""
+    if path is None:
+        yield None
+        return
+    try:
+        file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (kept open for the command)
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: {exc.strerror}") from None
+    with file:
+        try:
+            yield file
+        except BaseException:
+            if file.tell() == 0:
+                Path(path).unlink(missing_ok=True)
+            raise
+
+
+def _print_summary(result: Result, terminal: bool) -> None:
+    """The statistics line after a generation, on standard error; broken between fields
+    only (when it is wider than the terminal)."""
+    from rich.console import Console
+    from rich.text import Text
+
     s = result.stats
-    console.print()
     seconds = (s.prefill_ms + s.decode_ms_per_token * s.new_tokens) / 1000
     end_to_end = s.new_tokens / seconds if seconds > 0 else 0.0
-    summary = (
-        f"{s.new_tokens} tokens · decode {s.tokens_per_s:.1f} tok/s · prefill "
-        f"{s.prefill_ms:.0f} ms · end-to-end {end_to_end:.1f} tok/s · "
-        f"strategy {result.strategy}"
-    )
+    fields = [
+        f"── {s.new_tokens} tokens",
+        f"decode {s.tokens_per_s:.1f} tok/s",
+        f"prefill {s.prefill_ms:.0f} ms",
+        f"end-to-end {end_to_end:.1f} tok/s",
+        f"strategy {result.strategy}",
+    ]
+    if s.acceptance_rate is not None:
+        fields.append(f"acceptance {s.acceptance_rate:.0%}")
+    if s.mean_exit_layer is not None:
+        fields.append(f"mean exit layer {s.mean_exit_layer:.1f}")
     if s.drafted:
-        summary += (
-            f" · acceptance {s.acceptance_rate:.0%} · mean exit layer {s.mean_exit_layer:.1f}"
-            f" · mean draft {s.mean_draft_length:.1f} · eTPL {s.etpl:.3f}"
-        )
-    if console.is_terminal:
-        summary += " · [green]green[/] = accepted draft tokens"
-    err.print(f"[dim]── {summary}[/]")
-    return 0
+        fields += [f"mean draft {s.mean_draft_length:.1f}", f"eTPL {s.etpl:.3f}"]
+    if terminal:
+        fields.append("[green]green[/] = accepted draft tokens")
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    lines: list[str] = []
+    for field in fields:
+        if lines and Text.from_markup(f"{lines[-1]} · {field}").cell_len <= err.width:
+            lines[-1] += f" · {field}"
+        else:
+            lines.append(field)
+    for line in lines:
+        err.print(f"[dim]{line}[/]")
 
 
 def add_info(sub: argparse._SubParsersAction) -> None:
     """`delspec info`: describe a model."""
     info = sub.add_parser("info", help="describe a model")
     model_arguments(info, positional=True)
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead")
     info.set_defaults(func=cmd_info)
 
 
@@ -133,12 +200,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     model_arguments(srv)
     decode_arguments(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=port, default=8000, help="port to listen on (0: any free one)")
+    srv.add_argument(
+        "--max-queue", type=non_negative_int, default=16, help="waiting requests before 429"
+    )
     srv.add_argument(
         "--max-batch",
-        type=int,
+        type=positive_int,
         help="requests generating at once (default: measured on this machine at start)",
     )
     srv.add_argument(
@@ -147,7 +216,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="positions a request may use, prompt and reply (default: the model's, at most 4096)",
     )
     srv.add_argument("--served-model-name", help="the model id clients see (default: its name)")
-    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.add_argument("--timeout", type=positive_number, default=600.0, help="seconds per request")
     srv.add_argument(
         "--max-body-mb",
         type=positive_number,
@@ -162,7 +231,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     srv.add_argument(
         "--replicas",
-        type=int,
+        type=positive_int,
         help="copies of the server behind one API, each a process with its own model and "
         "--threads (default: the cores shared out), through Ray Serve (delspec[ray])",
     )
@@ -175,8 +244,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from delspec.server import serve
 
-    if args.replicas is not None and args.replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     config = decode_config(args)
     lm = load(args)  # here too with --replicas: a bad model or option fails before Ray starts
     settings = {
@@ -224,8 +291,10 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "the server's strategy and batch size; --stress: batch size 5)",
     )
     load.add_argument("--clients", default="1,4,8,16", help="concurrent clients, e.g. 1,4,8,16")
-    load.add_argument("--requests-per-client", type=int, default=2)
-    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument(
+        "--requests-per-client", type=positive_int, default=2, help="requests each client sends"
+    )
+    load.add_argument("--max-tokens", type=positive_int, default=64, help="max_tokens per request")
     load.add_argument("--url", help="measure the server already running there instead")
     load.add_argument("--out", type=Path, help="results directory (default: bench-serve-results)")
     mode = load.add_mutually_exclusive_group()
@@ -266,7 +335,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--clients takes numbers, e.g. 1,4,8; got {args.clients!r}") from None
     if not clients or min(clients) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise ConfigError("--clients, --requests-per-client and --max-tokens must be >= 1")
-    out = args.out or Path("bench-serve-results")
+    out = writable_directory(args.out or Path("bench-serve-results"), "--out")
     run_bench_serve(
         serve_args,
         setups,
@@ -293,7 +362,7 @@ def _bench_serve_hostile(args: argparse.Namespace, serve_args: list[str]) -> int
         if setup.max_batch is not None:
             serve_args += ["--max-batch", str(setup.max_batch)]
     if args.soak is not None:
-        out = args.out or Path("bench-serve-soak")
+        out = writable_directory(args.out or Path("bench-serve-soak"), "--out")
         result = run_soak(
             serve_args, args.soak, out, url=args.url, max_tokens=args.max_tokens,
             long_tokens=args.long_tokens or 1500,
@@ -304,7 +373,7 @@ def _bench_serve_hostile(args: argparse.Namespace, serve_args: list[str]) -> int
             f"{result.rss_growth_pct}%; wrote results.json, table.md to {out}"
         )
         return 0
-    out = args.out or Path("bench-serve-stress")
+    out = writable_directory(args.out or Path("bench-serve-stress"), "--out")
     results = run_stress(serve_args, out, url=args.url, long_tokens=args.long_tokens or 3000)
     joins, bodies = results["long_prompt_joins"], results["big_bodies"]
     print(
@@ -331,7 +400,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         f"NAME one of: {', '.join(METHODS)}; ar is always included",
     )
     bench.add_argument("--num-samples", type=int, default=10, help="prompts per task (tasks)")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
+    bench.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="most tokens per reply"
+    )
     bench.add_argument(
         "--repeats",
         type=int,
@@ -376,6 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from delspec.sampling import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    writable_directory(args.out, "--out")  # after the arguments' checks, before the work
     result = run_bench(
         load(args),
         methods,
@@ -416,7 +488,7 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--steps", type=int, default=50, help="Adam steps per layer after the closed-form fit"
     )
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--seed", type=seed, default=0, help="seed of the sampled replies")
     cal.set_defaults(func=cmd_calibrate)
 
 
@@ -427,6 +499,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from delspec.adapters import default_adapters_path, save_adapters
     from delspec.calibration import calibrate, read_prompts
 
+    if args.out is not None:
+        if args.out.is_dir():
+            raise ConfigError(f"--out {args.out} is a directory; name the adapters file")
+        writable_directory(args.out.parent, "--out")
     lm = load(args)
     adapters = calibrate(
         lm,

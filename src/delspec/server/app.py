@@ -229,12 +229,16 @@ def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
+    card = {"id": name, "object": "model", "created": started, "owned_by": "delspec"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": started, "owned_by": "delspec"}],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        service.check_model(model)  # an alias too: its card is the served model's
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -257,10 +261,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     handle(APIError, lambda _, exc: exc)
     handle(RequestValidationError, lambda _, exc: validation_error(exc))
     handle(DelspecError, lambda _, exc: as_api_error(exc))
-    handle(
-        StarletteHTTPException,
-        lambda request, exc: APIError(
-            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
-        ),
-    )
+    handle(StarletteHTTPException, _http_error)
     handle(Exception, lambda _, exc: as_api_error(exc))
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors: an unknown route or method, or a body FastAPI
+    could not read as JSON for a reason other than its syntax (bytes that are not UTF-8)."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
+        return APIError(400, f"the request body is not valid JSON: {exc.__cause__}")
+    return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")

@@ -97,7 +97,7 @@ class Metrics:
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
         self.tokens_per_s.set(stats.tokens_per_s)
-        if stats.drafted:
+        if stats.acceptance_rate is not None:
             self.acceptance_rate.set(stats.acceptance_rate)
         for entry in result.trace or ():
             if entry["drafted"]:

@@ -16,6 +16,14 @@ from delspec.errors import ContextLengthError, DelspecError
 from delspec.generate import Result, checked_stop
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: `include_usage` asks for a last chunk with the usage."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = False
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share. Types are strict; OpenAI fields that would change the reply
     and are not implemented are refused (`UNSUPPORTED`); other unknown fields are ignored."""
@@ -38,6 +46,7 @@ class GenerationRequest(BaseModel):
     # vLLM's (and llama.cpp's) extensions
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # None: 0 (off)
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # None: 1 (off)
+    stream_options: StreamOptions | None = None  # only with stream, as OpenAI
     # delspec's extension: `DecodeConfig` options over the server's (preset, strategy, ...)
     delspec: dict[str, Any] | None = None
     # OpenAI fields that are not implemented: refused when given (and not their neutral value)
@@ -184,7 +193,15 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters as \\u escapes: an error message that quotes a request's
+    text can always be sent, a lone surrogate in it too (UTF-8 cannot encode one)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def as_api_error(exc: Exception) -> APIError:
@@ -207,6 +224,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         where = f" at character {path[0]}" if path else ""
         return APIError(400, f"the request body is not valid JSON: {reason}{where}")
     reason = str(error["msg"]).removeprefix("Value error, ")
+    if not path and error["type"] == "missing":
+        return APIError(400, "the request body is empty: send a JSON object")
+    if not path and isinstance(error.get("input"), bytes):  # not sent as application/json
+        try:
+            json.loads(error["input"])
+        except ValueError as invalid:
+            return APIError(400, f"the request body is not valid JSON: {invalid}")
+        return APIError(400, "send the request body with Content-Type: application/json")
     if not path:
         return APIError(400, f"the request body must be a JSON object: {reason}")
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
@@ -217,11 +242,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 class Reply:
     """Builds the OpenAI response objects of one chat or text completion. Log-probabilities
-    (when asked for) come whole with the response, or with a stream's last chunk."""
+    (when asked for) come whole with the response, or with a stream's chunk that carries the
+    finish reason."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any) -> None:
+    def __init__(
+        self, chat: bool, model: str, prompt_tokens: int, tokenizer: Any, usage: bool = False
+    ) -> None:
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.tokenizer = tokenizer
+        self.usage = usage  # a stream's `stream_options.include_usage`
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -242,10 +271,27 @@ class Reply:
         return self._wrap(True, self._delta(text))
 
     def closing(self, result: Result) -> dict[str, Any]:
-        """The last chunk: finish reason, log-probabilities, usage and delspec statistics."""
+        """The chunk that ends the choice: finish reason, log-probabilities and delspec
+        statistics."""
         choice = {**self._delta(None), "finish_reason": result.finish_reason}
         choice["logprobs"] = self._logprobs(result)
         return self._wrap(True, choice, result)
+
+    def usage_chunk(self, result: Result) -> dict[str, Any]:
+        """A stream's last chunk when `usage` was asked for: no choices, the usage (OpenAI's
+        `stream_options.include_usage`)."""
+        chunk = self._wrap(True, {})
+        chunk["choices"] = []
+        chunk["usage"] = self._usage(result)
+        return chunk
+
+    def _usage(self, result: Result) -> dict[str, int]:
+        completion = len(result.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
     def _delta(self, text: str | None) -> dict[str, Any]:
         if self.chat:
@@ -293,20 +339,23 @@ class Reply:
             "model": self.model,
             "choices": [{"index": 0, "finish_reason": None, **choice}],
         }
+        if chunk and self.usage:
+            out["usage"] = None  # in every chunk but the last, as OpenAI's
+        elif not chunk and result is not None:
+            out["usage"] = self._usage(result)
         if result is not None:
             stats = result.stats
-            out["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(result.token_ids),
-                "total_tokens": self.prompt_tokens + len(result.token_ids),
-            }
             out["delspec"] = {
                 "strategy": result.strategy,
-                "acceptance_rate": round(stats.acceptance_rate, 4) if stats.drafted else None,
-                "mean_exit_layer": round(stats.mean_exit_layer, 3),
+                "acceptance_rate": _rounded(stats.acceptance_rate, 4),
+                "mean_exit_layer": _rounded(stats.mean_exit_layer, 3),
                 "tokens_per_s": round(stats.tokens_per_s, 3),
             }
         return out
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def sse(data: dict[str, Any] | str) -> str:

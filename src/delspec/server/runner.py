@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 
+from delspec.errors import ConfigError, is_integer
 from delspec.server.app import create_app
 
 if TYPE_CHECKING:
@@ -37,5 +38,8 @@ def serving(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
 
 
 def serve(lm: LoadedModel, host: str = "127.0.0.1", port: int = 8000, **app_options: Any) -> None:
-    """Serve `lm` over HTTP until interrupted; `app_options` go to `create_app`."""
+    """Serve `lm` over HTTP until interrupted; `app_options` go to `create_app`. `ConfigError`
+    for a port outside 0..65535 (0: any free one)."""
+    if not is_integer(port) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be an integer in 0..65535, got {port!r}")
     uvicorn.run(create_app(lm, **app_options), host=host, port=port)

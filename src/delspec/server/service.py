@@ -79,14 +79,23 @@ class Service:
         top = body.logprobs
         return await self._complete(request, body, prompt_ids, limit, "max_tokens", top, chat=False)
 
-    def _check_common(self, body: GenerationRequest) -> None:
-        if body.model is not None and body.model not in self.names:
+    def check_model(self, model: str) -> None:
+        """404 unless this server serves `model` (by its name or an alias)."""
+        if model not in self.names:
             known = "', '".join(self.names)
             raise APIError(
                 404,
-                f"the model '{body.model}' does not exist; this server serves '{known}'",
+                f"the model '{model}' does not exist; this server serves '{known}'",
                 param="model",
                 code="model_not_found",
+            )
+
+    def _check_common(self, body: GenerationRequest) -> None:
+        if body.model is not None:
+            self.check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream: true", param="stream_options"
             )
         if body.n != 1:
             raise APIError(
@@ -160,7 +169,8 @@ class Service:
         chat: bool,
     ) -> Response:
         job = self._submit(body, prompt_ids, limit, limit_param, logprobs)
-        reply = Reply(chat, self.name, len(prompt_ids), self.lm.tokenizer)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        reply = Reply(chat, self.name, len(prompt_ids), self.lm.tokenizer, usage)
         streaming = False
         try:
             await self._started(job, request)
@@ -273,6 +283,8 @@ class Service:
                     return
                 else:  # "done"
                     yield sse(reply.closing(value))
+                    if reply.usage:
+                        yield sse(reply.usage_chunk(value))
                     yield sse("[DONE]")
                     return
         finally:
