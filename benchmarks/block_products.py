@@ -290,7 +290,7 @@ def llama_bench_tg(binary: str | None, path: Path, threads: int) -> float | None
     mean), or None without a llama-bench."""
     if binary is None:
         return None
-    command = [binary, "-m", str(path), "-p", "0", "-n", "128", "-t", str(threads), "-r", "3"]
+    command = [binary, "-m", str(path), "-p", "0", "-n", "128", "-t", str(threads), "-r", "2"]
     done = subprocess.run([*command, "-o", "json"], capture_output=True, text=True)
     if done.returncode != 0:
         print(f"llama-bench failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
@@ -308,6 +308,20 @@ def delspec_decode(path: Path, threads: int) -> float | None:
         print(f"delspec failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
         return None
     return 1e3 / json.loads(done.stdout)["stats"]["decode_ms_per_token"]
+
+
+PEER_TURNS = 3  # llama-bench and delspec take turns this many times; the medians are kept
+
+
+def peer_and_ar(llama_bench: str | None, path: Path, threads: int) -> tuple[float | None, ...]:
+    """llama-bench's tg128 and delspec's `ar` decode tokens/s, taking turns `PEER_TURNS` times
+    (a shared host's speed drifts; turns spread the drift over both): each one's median."""
+    tgs, ars = [], []
+    for _ in range(PEER_TURNS):
+        tgs.append(llama_bench_tg(llama_bench, path, threads))
+        ars.append(delspec_decode(path, threads))
+    tgs, ars = [t for t in tgs if t is not None], [a for a in ars if a is not None]
+    return (statistics.median(tgs) if tgs else None), (statistics.median(ars) if ars else None)
 
 
 def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
@@ -343,8 +357,7 @@ def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
                     "share_of_bandwidth": round(gb_s / bandwidth, 3),
                     "m_over_m1": round(us / m1_us, 2),
                 })  # fmt: skip
-        tg = llama_bench_tg(llama_bench, path, threads)
-        ar = delspec_decode(path, threads)
+        tg, ar = peer_and_ar(llama_bench, path, threads)
         steps[threads] = {
             "bandwidth_gb_per_s": round(bandwidth, 2),
             "products_ms": {m: round(us / 1e3, 2) for m, us in step_us.items()},
