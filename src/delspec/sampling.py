@@ -82,7 +82,7 @@ class Sampling:
             raise ConfigError(
                 f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty}"
             )
-        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", checked_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -145,9 +145,10 @@ class Sampling:
         return probs / probs.sum(-1, keepdim=True)
 
 
-def _checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
+def checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
     """`logit_bias` as sorted (token id, bias) pairs; token ids may be given as digit strings
-    (JSON object keys). `ConfigError` for anything else."""
+    (JSON object keys). `ConfigError` for anything else (the server's request model asks here
+    too)."""
     pairs = bias.items() if isinstance(bias, Mapping) else bias
     if not isinstance(pairs, Sequence | type({}.items())):
         raise ConfigError(f"logit_bias must map token ids to numbers, got {bias!r}")

@@ -12,8 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from delspec.errors import ContextLengthError, DelspecError
+from delspec.errors import ConfigError, ContextLengthError, DelspecError
 from delspec.generate import Result, checked_stop
+from delspec.sampling import checked_bias
 
 
 class StreamOptions(BaseModel):
@@ -73,11 +74,10 @@ class GenerationRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (value or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"keys must be token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
+        try:
+            checked_bias(value or {})
+        except ConfigError as exc:  # a 400 naming logit_bias, as every field's
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("stop", mode="before")

@@ -303,16 +303,9 @@ class Service:
 
 def request_sampling(body: GenerationRequest, vocab_size: int) -> Sampling:
     """The `Sampling` a request asks for (OpenAI's defaults for the fields it leaves out);
-    400 naming `logit_bias` for a token id outside the vocabulary."""
-    bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-    outside = next((t for t in bias if t >= vocab_size), None)
-    if outside is not None:
-        raise APIError(
-            400,
-            f"logit_bias token id {outside} is not in the vocabulary 0..{vocab_size - 1}",
-            param="logit_bias",
-        )
-    return Sampling(
+    400 naming `logit_bias` for a token id outside the vocabulary (`Sampling.check_vocabulary`).
+    The fields' ranges are checked by the request model."""
+    sampling = Sampling(
         1.0 if body.temperature is None else body.temperature,
         body.top_k or 0,
         1.0 if body.top_p is None else body.top_p,
@@ -321,5 +314,10 @@ def request_sampling(body: GenerationRequest, vocab_size: int) -> Sampling:
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=bias,
+        logit_bias=body.logit_bias or {},
     )
+    try:
+        sampling.check_vocabulary(vocab_size)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="logit_bias") from exc
+    return sampling
