@@ -39,6 +39,7 @@ import gguf
 import numpy as np
 
 from delspec.bench.environment import llama_cpp_build
+from delspec.bench.report import peer_line
 from delspec.cache import cache_dir
 from delspec.kernels.build import cpu_flags, cpu_name
 
@@ -274,7 +275,7 @@ def render_table(report: dict) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"llama.cpp peer: {_peer(report.get('llama_cpp_build'))}.",
+        peer_line(report),
         "",
         "Random weights (Q4_K layers and embedding, Q6_K head), so only speed and memory mean "
         "anything. Each run is a fresh process; `delspec first load` (the file's cache entries "
@@ -339,14 +340,6 @@ def _generate_wall(path: Path, threads: int) -> float | None:
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     return time.perf_counter() - start if done.returncode == 0 else None
-
-
-def _peer(build: dict | None) -> str:
-    """Which llama.cpp library ran and what its build uses, in words."""
-    if not build:
-        return "build not recorded"
-    features = [f.split("=")[0].strip() for f in build["system_info"].split("|") if "= 1" in f]
-    return f"{build['library']} ({' '.join(f for f in features if f != 'CPU : SSE3')})"
 
 
 def _peak_resident_mb() -> float:

@@ -26,7 +26,7 @@ from delspec.bench.backends import (
 )
 from delspec.bench.methods import METHODS, MethodSpec, parse_methods
 from delspec.bench.metrics import first_divergence
-from delspec.bench.report import _heading
+from delspec.bench.report import _heading, peer_line
 from delspec.bench.runner import MAX_REPEATS_FACTOR
 from delspec.bench.tasks import TASKS, load_task
 from delspec.cli import main
@@ -556,3 +556,12 @@ def test_draft_sources_table(tiny_dir, tmp_path):
     assert "## Draft sources" in table
     assert "| humaneval | lookup:ngram_min=1 |" in table and "| overall | static:E=2,d=3 |" in table
     assert "| ar |" not in table.split("## Draft sources")[1]
+
+
+def test_peer_line_names_the_llama_cpp_build():
+    """A report names which llama.cpp library its llama.cpp methods ran and the CPU features
+    that build uses (llama.cpp's own system-info line), or says that none was recorded."""
+    info = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 0 | "
+    env = {"llama_cpp_build": {"library": "/opt/llama/bin", "system_info": info}}
+    assert peer_line(env) == "llama.cpp peer: /opt/llama/bin (SSE3 AVX2 AVX512 AVX512_VNNI)."
+    assert peer_line({}) == "llama.cpp peer: build not recorded."

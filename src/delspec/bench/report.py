@@ -59,7 +59,7 @@ def summary(result: BenchResult) -> dict[str, Any]:
 def markdown(result: BenchResult) -> str:
     """The report: Table 1 (eTPL / speedup per task, overall speed and speedup), details,
     sweeps, losslessness and plots."""
-    lines = [*_heading(result), *_table_one(result), *_details(result)]
+    lines = [*_heading(result), *_peer(result), *_table_one(result), *_details(result)]
     lines += [*_method_notes(result), *_sweep_notes(result), *_lossless_notes(result)]
     lines += ["## Plots", "", f"![speedup by task and method]({SPEEDUP_PNG})", ""]
     if result.trace:
@@ -90,6 +90,23 @@ def _heading(result: BenchResult) -> list[str]:
     if not result.ok:
         lines += ["**NOT LOSSLESS: some delspec outputs differ from ar (see below).**", ""]
     return lines
+
+
+def _peer(result: BenchResult) -> list[str]:
+    """The llama.cpp build's line where llama.cpp methods ran."""
+    if any(method.startswith("llama-cpp") for method in result.methods):
+        return [peer_line(result.environment), ""]
+    return []
+
+
+def peer_line(env: dict) -> str:
+    """Which llama.cpp build the llama.cpp methods ran (`environment.llama_cpp_build`)."""
+    build = env.get("llama_cpp_build")
+    if not build:
+        return "llama.cpp peer: build not recorded."
+    features = [f.split("=")[0].strip() for f in build["system_info"].split("|") if "= 1" in f]
+    features = [f.removeprefix("CPU :").strip() for f in features]
+    return f"llama.cpp peer: {build['library']} ({' '.join(features)})."
 
 
 def _decoding(settings: dict) -> str:
