@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +33,11 @@ _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 _TAIL, _TAIL_DRAW = 1 << 62, (1 << 62) + 1
 # Candidates: tokens whose scaled logit is within `delta` of the largest (a factor e^-delta of
 # its probability), widened through these while a truncation's kept set may reach past them.
-DELTAS = (16.0, 32.0, 64.0, math.inf)
+DELTAS = (16.0, 20.0, 24.0, 32.0, 64.0, math.inf)
+# Narrower sets tried first inside a truncation's candidates: the kept set is usually among them.
+SUBLEVELS = (8.0,)
+# Bands below the candidates whose columns are counted to bound the mass outside them.
+BANDS = (8.0, 16.0)
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,9 @@ class Sampler:
     candidate is dropped holds no token outside). Without truncation, the tokens outside the
     candidates are one more item whose logit is their logsumexp (the maximum of their Gumbels
     has that law); when it wins, the token is drawn inside it by inverse CDF in token id order.
-    Both are exact draws from the processed distribution. An unseeded sequence gets a random
-    seed of its own."""
+    Both are exact draws from the processed distribution. The whole vocabulary's mass (which
+    top-p's cut and the outside item need) is bounded first and summed only when the bounds
+    leave the draw undecided (`_Row`). An unseeded sequence gets a random seed of its own."""
 
     def __init__(self, sampling: Sampling, vocab_size: int, prompt: Sequence[int]) -> None:
         self.sampling = s = sampling
@@ -256,9 +261,11 @@ class Sampler:
                 top = logits[column]
                 p = 1.0 / float(np.exp(logits - top).sum(dtype=np.float64))
             return (column if vocab is None else int(vocab[column])), p
-        z = logits * logits.dtype.type(1.0 / s.temperature)
-        column, p = self._draw(z, position, vocab)
+        column, p = _Row(logits, s.temperature).draw(s, self._key(position), vocab, confidence)
         return (column if vocab is None else int(vocab[column])), p
+
+    def _key(self, position: int) -> int:
+        return _mix_int((self.seed_key + (position + 1) * _GOLDEN) & MASK)
 
     def _adjust(self, z: np.ndarray, before: Sequence[int]) -> None:
         """Bias and penalise the logits `z` (over the whole vocabulary) in place."""
@@ -278,59 +285,166 @@ class Sampler:
         x -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
         z[ids] = x
 
-    def _draw(self, z: np.ndarray, position: int, vocab: np.ndarray | None) -> tuple[int, float]:
-        """Gumbel-max over the kept columns of the scaled logits `z` (the class docstring)."""
-        s = self.sampling
-        top = z.max()
-        weights = total = None  # e^(z - top) over every column, and their sum
-        if not s.truncates or (s.top_p < 1.0 and not s.top_k):
-            weights = np.exp(z - top)
-            total = weights.sum(dtype=np.float64)
+
+class _Undecided(Exception):
+    """The kept set depends on where the whole row's mass lies inside its bounds."""
+
+
+class _Row:
+    """One row of logits under a temperature, read as little as a draw needs: its maximum,
+    the columns within a distance of it, and bounds on the whole row's mass (the sum of
+    e^(z - top) over every column, z the scaled logits) made tighter only while they do not
+    decide the draw: a column more than `delta` below the top weighs less than e^-delta, so
+    counting the columns in bands below the candidates bounds the rest, and the exact sum
+    is the last resort."""
+
+    def __init__(self, logits: np.ndarray, temperature: float) -> None:
+        self.logits, self.temperature = logits, temperature
+        self.inv_t = 1.0 / temperature
+        self.top_raw = float(logits.max())
+        self.top = self.top_raw * self.inv_t
+        self._total: float | None = None
+
+    @property
+    def total(self) -> float:
+        if self._total is None:
+            z = self.logits * self.logits.dtype.type(self.inv_t)
+            self._total = float(np.exp(z - z.dtype.type(self.top)).sum(dtype=np.float64))
+        return self._total
+
+    def _count(self, delta: float) -> int:
+        """How many columns lie within `delta` of the top (scaled)."""
+        return int(np.count_nonzero(self.logits >= self.top_raw - delta * self.temperature))
+
+    def candidates(self, delta: float) -> tuple[np.ndarray, np.ndarray]:
+        """The columns whose scaled logit is within `delta` of the top, and those scaled
+        logits (float64)."""
+        if delta == math.inf:
+            columns = np.arange(len(self.logits))
+        else:
+            columns = np.flatnonzero(self.logits >= self.top_raw - delta * self.temperature)
+        return columns, self.logits[columns].astype(np.float64) * self.inv_t
+
+    def bounds(self, mass: float, columns: int, delta: float) -> Iterator[tuple[float, float]]:
+        """Ever tighter bounds on the row's mass, given the `mass` of its `columns`
+        candidates within `delta` of the top: the rest counted as one band, then in bands
+        BANDS apart, then the exact sum."""
+        n = len(self.logits)
+        if columns == n:
+            yield mass, mass
+            return
+        yield mass, mass + (n - columns) * math.exp(-delta)
+        edges = [delta + band for band in BANDS]
+        counts = [columns, *(self._count(edge) for edge in edges), n]
+        high = mass + sum(
+            (counts[i + 1] - counts[i]) * math.exp(-edge) for i, edge in enumerate([delta, *edges])
+        )
+        yield mass, high
+        yield self.total, self.total
+
+    def draw(
+        self, s: Sampling, key: int, vocab: np.ndarray | None, confidence: bool
+    ) -> tuple[int, float]:
+        """Gumbel-max over the kept columns (`Sampler`'s docstring): the column and, when
+        `confidence`, its probability (else NaN)."""
+        if not s.truncates:
+            return self._draw_untruncated(key, vocab, confidence)
+        top = self.top
         for delta in DELTAS:
-            columns = np.flatnonzero(z >= top - delta) if delta < math.inf else np.arange(len(z))
-            values = z[columns]
-            if not s.truncates:
-                break
-            order = np.argsort(-values, kind="stable")  # ties: the lower column (id) first
-            values, columns = values[order], columns[order]
-            kept = self._kept(values, top, total, len(columns) == len(z))
-            if kept is not None:
-                values, columns = values[:kept], columns[:kept]
-                break
+            columns, values = self.candidates(delta)
+            every = len(columns) == len(self.logits)
+            mass = float(np.exp(values - top).sum())
+            # Inside wide candidates, the nearest ones first: sorting them is the cost.
+            for inner in [d for d in SUBLEVELS if d < delta] + [delta]:
+                pick = values >= top - inner if inner < delta else None
+                if pick is not None and pick.all():
+                    continue
+                v = values if pick is None else values[pick]
+                c = columns if pick is None else columns[pick]
+                order = np.argsort(-v, kind="stable")  # ties: the lower column (id) first
+                v, c = v[order], c[order]
+                bounds = self.bounds(mass, len(columns), delta)
+                kept = self._decided(s, v, bounds, every and pick is None)
+                if kept is not None:
+                    v, c = v[:kept], c[:kept]
+                    ids = c if vocab is None else vocab[c]
+                    best = int((v + _gumbel(key, ids)).argmax())
+                    p = math.nan
+                    if confidence:
+                        p = math.exp(float(v[best] - top)) / np.exp(v - top).sum()
+                    return int(c[best]), p
+        raise AssertionError("unreachable: the whole vocabulary decides")
+
+    def _decided(
+        self, s: Sampling, values: np.ndarray, bounds: Iterator[tuple[float, float]], every: bool
+    ) -> int | None:
+        """`_kept` under the first of the `bounds` on the row's mass that decides it."""
+        for low, high in bounds:
+            try:
+                return _kept(s, values, self.top, (low, high), every)
+            except _Undecided:
+                continue
+        raise AssertionError("unreachable: the exact mass decides")
+
+    def _draw_untruncated(
+        self, key: int, vocab: np.ndarray | None, confidence: bool
+    ) -> tuple[int, float]:
+        """The candidates within DELTAS[0], plus one item for the rest whose logit is their
+        logsumexp; when it wins, the token is drawn inside the rest by inverse CDF."""
+        top = self.top
+        columns, values = self.candidates(DELTAS[0])
         ids = columns if vocab is None else vocab[columns]
-        key = _mix_int((self.seed_key + (position + 1) * _GOLDEN) & MASK)
         scores = values + _gumbel(key, ids)
         best = int(scores.argmax())
-        mass = np.exp(values - top).sum(dtype=np.float64)
-        tail = 0.0 if s.truncates or len(columns) == len(z) else max(0.0, total - mass)
-        if tail > 0.0 and top + math.log(tail) + _gumbel(key, [_TAIL])[0] > scores[best]:
-            inside = weights.astype(np.float64)
-            inside[columns] = 0.0
-            cdf = np.cumsum(inside)
-            u = _uniform(key, [_TAIL_DRAW])[0]
-            column = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-            column = min(column, len(z) - 1)
-            return column, float(weights[column]) / total
-        return int(columns[best]), math.exp(float(values[best] - top)) / (mass + tail)
+        mass = float(np.exp(values - top).sum())
+        tail = 0.0
+        if len(columns) < len(self.logits):
+            noise = float(_gumbel(key, [_TAIL])[0])
+            for low, high in self.bounds(mass, len(columns), DELTAS[0]):
+                if low == high or (
+                    not confidence and top + math.log(high - mass) + noise <= scores[best]
+                ):
+                    tail = max(0.0, low - mass)
+                    break
+            if tail > 0.0 and top + math.log(tail) + noise > scores[best]:
+                z = self.logits * self.logits.dtype.type(self.inv_t)
+                weights = np.exp(z - z.dtype.type(top)).astype(np.float64)
+                weights[columns] = 0.0
+                cdf = np.cumsum(weights)
+                u = _uniform(key, [_TAIL_DRAW])[0]
+                column = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+                column = min(column, len(self.logits) - 1)
+                return column, float(weights[column]) / self.total
+        p = math.exp(float(values[best] - top)) / (mass + tail) if confidence else math.nan
+        return int(columns[best]), p
 
-    def _kept(self, values: np.ndarray, top: float, total: float | None, every: bool) -> int | None:
-        """How many of the candidates `values` (scaled logits, decreasing) truncation keeps;
-        None when the kept set may reach past them (unless they are `every` column)."""
-        s = self.sampling
-        kept = len(values)
-        if s.top_k and kept > s.top_k:
-            kept = int(np.searchsorted(-values, -values[s.top_k - 1], side="right"))
-        if s.top_k and kept == len(values) and not every:
-            return None  # the k-th largest logit, or a tie with it, may lie outside
-        if s.top_p < 1.0:
-            w = np.exp(values[:kept] - top).astype(np.float64)
-            norm = w.sum() if s.top_k else total
-            before = np.cumsum(w) - w
-            kept = int(np.searchsorted(before, s.top_p * norm, side="left"))
-        if s.min_p > 0.0:
-            floor = top + math.log(s.min_p)
-            kept = min(kept, int(np.searchsorted(-values, -floor, side="right")))
-        return kept if kept < len(values) or every else None
+
+def _kept(
+    s: Sampling, values: np.ndarray, top: float, bounds: tuple[float, float], every: bool
+) -> int | None:
+    """How many of the candidates `values` (scaled logits, decreasing) truncation keeps;
+    None when the kept set may reach past them (unless they are `every` column). `bounds`:
+    the row's whole mass lies within them; `_Undecided` when top-p's cut depends on where."""
+    kept = len(values)
+    if s.top_k and kept > s.top_k:
+        kept = int(np.searchsorted(-values, -values[s.top_k - 1], side="right"))
+    if s.top_k and kept == len(values) and not every:
+        return None  # the k-th largest logit, or a tie with it, may lie outside
+    if s.top_p < 1.0:
+        w = np.exp(values[:kept] - top)
+        before = np.cumsum(w) - w
+        if s.top_k:
+            cut = int(np.searchsorted(before, s.top_p * w.sum(), side="left"))
+        else:
+            low, high = bounds
+            cut = int(np.searchsorted(before, s.top_p * low, side="left"))
+            if cut != int(np.searchsorted(before, s.top_p * high, side="left")):
+                raise _Undecided
+        kept = cut
+    if s.min_p > 0.0:
+        floor = top + math.log(s.min_p)
+        kept = min(kept, int(np.searchsorted(-values, -floor, side="right")))
+    return kept if kept < len(values) or every else None
 
 
 def _mix_int(x: int) -> int:
