@@ -1,5 +1,7 @@
-"""The links of README.md and docs/: every relative link names a file or directory of the
-repository, and every #anchor a heading of its page (as GitHub makes anchors of headings)."""
+"""The links of README.md and docs/ (the journal too): every relative link names a file or
+directory of the repository, and every #anchor a heading of its page (as GitHub makes anchors of
+headings). The reference pages (README.md, docs/*.md) carry no dated entries: those belong in
+docs/journal/ and benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REFERENCE = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [*REFERENCE, *sorted((ROOT / "docs" / "journal").glob("*.md"))]
 LINK = re.compile(r"\[([^\]]*)\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
 CODE_BLOCK = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bUTC\b")
 
 
 def prose(page: Path) -> str:
@@ -38,7 +42,7 @@ def test_the_pages_are_found() -> None:
     assert len(PAGES) > 3 and all(page.is_file() for page in PAGES)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_relative_links_and_anchors_resolve(page: Path) -> None:
     text = re.sub(r"`[^`\n]*`", "", prose(page))  # links in code spans are no links
     broken = []
@@ -52,3 +56,9 @@ def test_relative_links_and_anchors_resolve(page: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no such heading")
     assert not broken, f"{page.name}: {broken}"
+
+
+@pytest.mark.parametrize("page", REFERENCE, ids=lambda page: str(page.relative_to(ROOT)))
+def test_reference_pages_carry_no_dated_entries(page: Path) -> None:
+    dated = [line for line in page.read_text(encoding="utf-8").splitlines() if DATED.search(line)]
+    assert not dated, f"{page.name}: dated lines belong in docs/journal/: {dated[:3]}"
