@@ -15,6 +15,7 @@ FAMILIES = {
     "llama": {},
     "qwen2": {"family": "qwen2"},
     "qwen3": {"family": "qwen3", "head_dim": 24},
+    "smollm3": {"family": "smollm3", "nope_layers": (1, 3)},
     "gemma3_text": {
         "family": "gemma3_text",
         "sliding_window": 4,

@@ -14,6 +14,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from delspec.architectures import config_from_hf
@@ -44,6 +46,17 @@ SHAPES = [
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, head_dim=32)),
     (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32)),  # head norms
+    # layers without RoPE: every third here, and a list of its own
+    (
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+        dict(num_key_value_heads=2, no_rope_layer_interval=3, pad_token_id=None),
+    ),
+    (
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+        dict(num_key_value_heads=4, no_rope_layers=[0, 1, 1], pad_token_id=None),
+    ),
 ]
 
 

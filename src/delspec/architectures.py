@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "smollm3": Family(),  # the Llama layout; some layers without RoPE (`ModelConfig.nope_layers`)
     "gemma3_text": Family(
         qk_norm=True,
         sandwich_norm=True,
@@ -65,6 +66,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     attn_scale: float | None = None  # softmax scale; default 1/sqrt(head_dim)
     final_logit_softcap: float | None = None
+    nope_layers: tuple[int, ...] = ()  # layers whose queries and keys get no RoPE (SmolLM3)
     eos_token_ids: tuple[int, ...] = field(default=())
 
     @property
@@ -73,6 +75,13 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def rope_kind(self, layer: int) -> str:
+        """Which RoPE table a layer rotates by: "global", "local" (sliding-window layers' base)
+        or "none" (an identity rotation: the layer attends without positions)."""
+        if layer in self.nope_layers:
+            return "none"
+        return "local" if self.is_sliding(layer) else "global"
 
     @property
     def softmax_scale(self) -> float:
@@ -128,6 +137,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             rope_local_theta=float(rope_local_theta) if rope_local_theta else None,
             attn_scale=float(query_scale) ** -0.5 if query_scale else None,
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            nope_layers=_nope_layers(hf, num_layers),
             eos_token_ids=token_ids(hf.get("eos_token_id")),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -157,6 +167,20 @@ def _rope(hf: dict[str, Any]) -> tuple[Any, dict[str, Any] | None, Any]:
     ):
         rope_scaling = None
     return rope_theta, rope_scaling, rope_local_theta
+
+
+def _nope_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers without RoPE: SmolLM3's `no_rope_layers` (1 = RoPE, 0 = none), else every
+    `no_rope_layer_interval`-th layer."""
+    if hf.get("model_type") != "smollm3":
+        return ()
+    flags = hf.get("no_rope_layers")
+    if not flags:
+        interval = int(hf.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ModelFormatError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(i for i, flag in enumerate(flags) if not flag)
 
 
 def _layer_types(hf: dict[str, Any], family: Family, num_layers: int) -> tuple[str, ...]:

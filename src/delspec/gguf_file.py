@@ -9,10 +9,12 @@ the bytes they need from the file. Nothing in the cache is a copy of the weights
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TokenizersBackend
+from transformers import modeling_gguf_pytorch_utils as gguf_pytorch_utils
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
@@ -34,6 +37,15 @@ from delspec.errors import LIBRARY_ERRORS, ModelFormatError
 from delspec.gguf_header import GGUFHeader, read_header
 from delspec.modules import rope_inv_freq
 
+# GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
+# tensor order llama.cpp's converter gives them, plus what the file cannot say: llama.cpp runs
+# SmolLM3 without RoPE on every 4th layer, a step no metadata key holds.
+AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm3": (
+        "llama",
+        {"model_type": "smollm3", "no_rope_layer_interval": 4, "pad_token_id": None},
+    ),
+}
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
@@ -109,7 +121,7 @@ class GGUFFile:
         name = self.names[hf_name]
         info = self.tensors[name]
         values = gguf.dequantize(self.raw(name), info.qtype).reshape(info.dims)
-        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self._config)
+        processor = _processor(self.architecture)(config=self._config)
         return torch.from_numpy(np.copy(processor.process(weights=values, name=name).weights))
 
 
@@ -125,7 +137,8 @@ def _describe(path: Path, out: Path) -> None:
         hf_names = _hf_names(config, architecture)
         # the class AutoTokenizer picks for this config when no tokenizer class is declared
         tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
-        tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+        with _readable(architecture):
+            tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
     except LIBRARY_ERRORS as exc:
         raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
     tensors = {
@@ -145,6 +158,7 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     architecture = header.architecture
     name = str(header.metadata.get("general.name", ""))
     renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
+    renamed, extra = AS_LAYOUT.get(architecture, (renamed, {}))
     values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}))
     values["tie_word_embeddings"] = "output.weight" not in header.tensors
     for key, value in header.metadata.items():
@@ -163,6 +177,9 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         values["head_dim"] = int(key_length)
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
+    values |= {
+        key: value for key, value in extra.items() if key not in values or key == "model_type"
+    }
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     if "vocab_size" not in values and tokens is not None:
         values["vocab_size"] = len(tokens)
@@ -174,13 +191,38 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
 
 
+def gguf_layout(architecture: str) -> str:
+    """The GGUF architecture whose metadata and tensor order a file of `architecture` has."""
+    return AS_LAYOUT.get(architecture, (architecture, {}))[0]
+
+
+def _processor(architecture: str) -> type[TensorProcessor]:
+    """transformers' tensor processor of a GGUF architecture (or of the layout it is read as)."""
+    return TENSOR_PROCESSORS.get(gguf_layout(architecture), TensorProcessor)
+
+
+@contextlib.contextmanager
+def _readable(architecture: str) -> Iterator[None]:
+    """While transformers' GGUF reader reads a file of `architecture` (its tokenizer): an
+    architecture read as another layout counts as supported there."""
+    supported = gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES
+    added = architecture in AS_LAYOUT and architecture not in supported
+    if added:
+        supported.append(architecture)
+    try:
+        yield
+    finally:
+        if added:
+            supported.remove(architecture)
+
+
 def _hf_names(config: PretrainedConfig, architecture: str) -> dict[str, str]:
     """GGUF tensor name: the name transformers gives it (with prefix), for the tensors that
     transformers' model of `config` has (`get_gguf_hf_weights_map` over the whole model, with
     one name table instead of one per submodule)."""
     with torch.device("meta"):  # only its parameter names are used
         skeleton = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    processor = _processor(architecture)(config=config.to_dict())
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}

@@ -54,7 +54,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
         self.cache: Tensor | None = None  # [layers, 2, slots, kv_heads, length, head_dim]
-        self._rope: dict[bool, tuple[Tensor, Tensor]] = {}
+        self._rope: dict[str, tuple[Tensor, Tensor]] = {}  # by `rope_kind`
         self.embed_blocks: BlockWeight | None = None  # replaces embedding.weight when set
         self.weights = "float"  # the weight format: one of WEIGHT_FORMATS
         # prompts of at least this many rows run on bfloat16 tiles (kernel_choice), None: never
@@ -167,15 +167,8 @@ class Transformer(nn.Module):
             return
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, length, cfg.head_dim)
         self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        local = cfg.rope_local_theta
-        tables = {False: cfg.rope_theta, True: local if local is not None else cfg.rope_theta}
-        self._rope = {
-            sliding: tuple(
-                t.to(self.device)
-                for t in rope_table(self._inv_freq(theta, sliding), length, self.dtype)
-            )
-            for sliding, theta in tables.items()
-        }
+        kinds = {cfg.rope_kind(i) for i in range(cfg.num_layers)}
+        self._rope = {kind: self._rope_table(kind, length) for kind in kinds}
         self._layer_binding = None
 
     @contextlib.contextmanager
@@ -214,10 +207,18 @@ class Transformer(nn.Module):
     def __getstate__(self) -> dict[str, Any]:  # a copy binds its own cache and weights
         return {**self.__dict__, "_layer_binding": None}
 
-    def _inv_freq(self, theta: float, sliding: bool) -> Tensor:
-        # Gemma 3's local layers use the plain RoPE base without the global layers' scaling.
-        scaling = None if sliding else self.config.rope_scaling
-        return rope_inv_freq(self.config.head_dim, theta, scaling)
+    def _rope_table(self, kind: str, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin `[length, head_dim]` of a `ModelConfig.rope_kind`. Gemma 3's local layers
+        use their own base without the global layers' scaling; "none" rotates by nothing."""
+        cfg = self.config
+        if kind == "none":
+            inv_freq = torch.zeros(cfg.head_dim // 2)
+        elif kind == "local":
+            local = cfg.rope_local_theta
+            inv_freq = rope_inv_freq(cfg.head_dim, local if local is not None else cfg.rope_theta)
+        else:
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return tuple(t.to(self.device) for t in rope_table(inv_freq, length, self.dtype))
 
     def embed(self, ids: Tensor | Sequence[int]) -> Tensor:
         """Token ids `[tokens]` (a tensor, or a list: GGUF embeddings then look them up with no
@@ -274,10 +275,9 @@ class Transformer(nn.Module):
             s: (c[start : start + n], si[start : start + n]) for s, (c, si) in self._rope.items()
         }
         for i in range(first, last):
-            sliding = cfg.is_sliding(i)
-            cos, sin = ropes[sliding]
+            cos, sin = ropes[cfg.rope_kind(i)]
             cache = self.cache[i, :, slot]
-            h = self.layers[i](h, start, cache, cos, sin, masks[sliding], int8)
+            h = self.layers[i](h, start, cache, cos, sin, masks[cfg.is_sliding(i)], int8)
             if collect is not None:
                 collect.append(h)
         return h

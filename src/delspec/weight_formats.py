@@ -20,7 +20,7 @@ import torch
 from delspec.architectures import ModelConfig
 from delspec.checkpoint import FUSED_LINEARS
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.gguf_file import GGUFFile
+from delspec.gguf_file import GGUFFile, gguf_layout
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
 from delspec.kernels.build import library
 from delspec.model import WEIGHT_FORMATS
@@ -66,7 +66,8 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
     the GGUF file's own blocks (Llama's query and key rows reordered to the rotate-half layout
     the model computes in)."""
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    permute = file.architecture == "llama"  # llama.cpp interleaves Llama's RoPE halves
+    # llama.cpp interleaves the RoPE halves of the Llama layout (and of what it reads as one)
+    permute = gguf_layout(file.architecture) == "llama"
     wanted: dict[str, list[str]] = {"embedding": ["token_embd.weight"]}
     if "output.weight" in file.tensors:
         wanted["lm_head"] = ["output.weight"]

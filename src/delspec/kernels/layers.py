@@ -158,15 +158,15 @@ class LayerKernels:
             return None
         return LayerKernels(model)
 
-    def bind(self, cache: Tensor, ropes: dict[bool, tuple[Tensor, Tensor]]) -> None:
+    def bind(self, cache: Tensor, ropes: dict[str, tuple[Tensor, Tensor]]) -> None:
         """Point every layer at its part of `cache` `[layers, 2, slots, kv_heads, length, dim]`
-        and at its RoPE tables (`ropes[sliding]` = cos, sin `[length, dim]`)."""
+        and at its RoPE tables (`ropes[config.rope_kind(layer)]` = cos, sin `[length, dim]`)."""
         cfg = self.model.config
         self.description.length = cache.shape[4]
         self.description.slot_stride = cache.stride(2)
         for i, layer in enumerate(self.layers):
             layer.keys, layer.values = cache[i, 0].data_ptr(), cache[i, 1].data_ptr()
-            cos, sin = ropes[cfg.is_sliding(i)]
+            cos, sin = ropes[cfg.rope_kind(i)]
             layer.cos, layer.sin = cos.data_ptr(), sin.data_ptr()
         self._tables = (cache, ropes)  # keep them alive while pointed at
 
