@@ -16,6 +16,13 @@ FAMILIES = {
     "qwen2": {"family": "qwen2"},
     "qwen3": {"family": "qwen3", "head_dim": 24},
     "smollm3": {"family": "smollm3", "nope_layers": (1, 3)},
+    "granite": {
+        "family": "granite",
+        "embedding_multiplier": 4.0,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 3.0,
+        "attn_scale": 0.1,
+    },
     "gemma3_text": {
         "family": "gemma3_text",
         "sliding_window": 4,

@@ -175,6 +175,7 @@ FAMILIES = {
     "qwen2 (q/k/v bias)": {"family": "qwen2"},
     "qwen3 (head norms)": {"family": "qwen3"},
     "smollm3 (layers without RoPE)": {"family": "smollm3", "nope_layers": (0, 3)},
+    "granite (multipliers)": {"family": "granite", "residual_multiplier": 0.4, "attn_scale": 0.2},
     "gemma3 (head norms, sandwich norms, GELU, sliding window)": {
         "family": "gemma3_text",
         "sliding_window": 4,

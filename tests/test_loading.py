@@ -33,6 +33,8 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -69,6 +71,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "smollm3": "smollm3",
+    "granite": "granite",
 }
 
 
@@ -94,6 +97,11 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
     if getattr(c, "head_dim", None):  # as llama.cpp's converter writes a declared head size
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
+    if architecture == "granite":
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
     if architecture == "gemma3":
         writer.add_sliding_window(c.sliding_window)
         writer.add_unk_token_id(0)  # its tokenizer class needs one
@@ -115,7 +123,7 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
         if base == "lm_head" and c.tie_word_embeddings:
             continue
         array = tensor.float().numpy()
-        if architecture in ("llama", "smollm3") and base.endswith(("q_proj", "k_proj")):
+        if architecture in ("llama", "smollm3", "granite") and base.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if "q_proj" in base else c.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         if architecture == "gemma3" and base.endswith("norm"):
@@ -465,6 +473,20 @@ def tiny_smollm3() -> SmolLM3ForCausalLM:
     return SmolLM3ForCausalLM(config).eval()
 
 
+def tiny_granite() -> GraniteForCausalLM:
+    """A tiny Granite: embeddings, residual branches, softmax and logits scaled."""
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=2, tie_word_embeddings=True)
+    scales = dict(
+        embedding_multiplier=6.0,
+        residual_multiplier=0.3,
+        attention_multiplier=0.06,
+        logits_scaling=4.0,
+    )
+    config = GraniteConfig(**shape, **scales, bos_token_id=BOS, eos_token_id=EOS)
+    return GraniteForCausalLM(config).eval()
+
+
 def tiny_gemma3() -> PreTrainedModel:
     """A tiny Gemma 3 in what a GGUF file can say of one (its default layer pattern, local RoPE
     base, query scale and no logit softcap), with the tiny tokenizer's vocabulary."""
@@ -486,6 +508,7 @@ LAYOUTS = {
     "qwen2": tiny_qwen2,
     "qwen3": tiny_qwen3,
     "smollm3": tiny_smollm3,
+    "granite": tiny_granite,
     "gemma3": tiny_gemma3,
 }
 
@@ -496,8 +519,10 @@ def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layou
     path = write_gguf(model, tmp_path / f"{layout}.gguf")
     loaded = load_model(path, weights="float")
     ours, theirs = loaded.model.config, config_from_hf(model.config.to_dict())
-    assert ours.rms_eps == pytest.approx(theirs.rms_eps)  # float32 in the file
-    assert replace(ours, rms_eps=theirs.rms_eps) == theirs
+    names = ["rms_eps", "attn_scale", "embedding_multiplier", "residual_multiplier"]
+    floats = {name: getattr(theirs, name) for name in [*names, "logits_scaling"]}  # float32
+    assert {name: getattr(ours, name) for name in floats} == pytest.approx(floats)
+    assert replace(ours, **floats) == theirs
     text = "hello world, hello gguf"
     # what the converted directory of earlier versions held (transformers' tokenizer, saved;
     # its GGUF reader reads SmolLM3's tokenizer as delspec has it do, knowing no such config)
@@ -642,7 +667,7 @@ def test_gguf_header_matches_the_gguf_packages_reader(tmp_path):
         assert ours[key] == (pytest.approx(value) if isinstance(value, float) else value), key
 
 
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3"}))  # (transformers: none)
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3", "granite"}))  # (none there)
 def test_gguf_config_is_transformers_own(tmp_path, layout):
     """The config made from the header is the one transformers' GGUF loader makes, except for
     a head size the file declares (`attention.key_length`), which transformers' table for

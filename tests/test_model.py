@@ -39,6 +39,9 @@ LLAMA3_ROPE = dict(
     high_freq_factor=4.0,
     original_max_position_embeddings=32,
 )
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.06, logits_scaling=4.0
+)
 SHAPES = [
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=False)),
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),

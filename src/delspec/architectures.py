@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "granite": Family(),  # the Llama layout with scalar multipliers (`ModelConfig`)
     "smollm3": Family(),  # the Llama layout; some layers without RoPE (`ModelConfig.nope_layers`)
     "gemma3_text": Family(
         qk_norm=True,
@@ -67,6 +68,12 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; default 1/sqrt(head_dim)
     final_logit_softcap: float | None = None
     nope_layers: tuple[int, ...] = ()  # layers whose queries and keys get no RoPE (SmolLM3)
+    # Granite: embeddings times `embedding_multiplier`, each layer's attention and MLP outputs
+    # times `residual_multiplier` before they join the residual, logits divided by
+    # `logits_scaling` (its `attention_multiplier` is the softmax scale).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     eos_token_ids: tuple[int, ...] = field(default=())
 
     @property
@@ -118,6 +125,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         layer_types = _layer_types(hf, family, num_layers)
         sliding_window = hf.get("sliding_window") if layer_types else None
         query_scale = hf.get("query_pre_attn_scalar")
+        attn_scale = float(query_scale) ** -0.5 if query_scale else None
+        if hf.get("attention_multiplier") is not None:
+            attn_scale = float(hf["attention_multiplier"])
         return ModelConfig(
             family=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -135,9 +145,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             layer_types=layer_types,
             rope_local_theta=float(rope_local_theta) if rope_local_theta else None,
-            attn_scale=float(query_scale) ** -0.5 if query_scale else None,
+            attn_scale=attn_scale,
             final_logit_softcap=hf.get("final_logit_softcapping"),
             nope_layers=_nope_layers(hf, num_layers),
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
             eos_token_ids=token_ids(hf.get("eos_token_id")),
         )
     except (KeyError, TypeError, ValueError) as exc:

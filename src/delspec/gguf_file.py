@@ -38,14 +38,27 @@ from delspec.gguf_header import GGUFHeader, read_header
 from delspec.modules import rope_inv_freq
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
-# tensor order llama.cpp's converter gives them, plus what the file cannot say: llama.cpp runs
-# SmolLM3 without RoPE on every 4th layer, a step no metadata key holds.
-AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
+# tensor order llama.cpp's converter gives them: (that layout, config values the file cannot
+# say, {metadata key after "<arch>.": config field}). llama.cpp runs SmolLM3 without RoPE on
+# every 4th layer, a step no metadata key holds.
+AS_LAYOUT: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
     "smollm3": (
         "llama",
         {"model_type": "smollm3", "no_rope_layer_interval": 4, "pad_token_id": None},
+        {},
+    ),
+    "granite": (
+        "llama",
+        {"model_type": "granite"},
+        {
+            "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier",
+            "attention.scale": "attention_multiplier",
+            "logit_scale": "logits_scaling",
+        },
     ),
 }
+
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
@@ -158,12 +171,13 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     architecture = header.architecture
     name = str(header.metadata.get("general.name", ""))
     renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
-    renamed, extra = AS_LAYOUT.get(architecture, (renamed, {}))
+    renamed, extra, own_keys = AS_LAYOUT.get(architecture, (renamed, {}, {}))
     values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}))
     values["tie_word_embeddings"] = "output.weight" not in header.tensors
     for key, value in header.metadata.items():
+        own = key.startswith(f"{architecture}.") and own_keys.get(key[len(architecture) + 1 :])
         prefix, _, rest = key.replace(architecture, renamed).partition(".")
-        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        target = own or GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
         if target is None or target == -1:
             continue
         if isinstance(value, np.ndarray | list):
@@ -193,7 +207,7 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
 
 def gguf_layout(architecture: str) -> str:
     """The GGUF architecture whose metadata and tensor order a file of `architecture` has."""
-    return AS_LAYOUT.get(architecture, (architecture, {}))[0]
+    return AS_LAYOUT[architecture][0] if architecture in AS_LAYOUT else architecture
 
 
 def _processor(architecture: str) -> type[TensorProcessor]:

@@ -226,6 +226,8 @@ class Transformer(nn.Module):
         h = self.embedding_rows(ids)
         if self.config.spec.embed_scale:  # rounded to float32 first, as transformers does
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(h.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
         return h
 
     def _mask(self, start: int, n: int, window: int | None) -> Tensor | None:
@@ -349,8 +351,12 @@ class Transformer(nn.Module):
         return self.softcap(logits)
 
     def softcap(self, logits: Tensor) -> Tensor:
-        """Final logit soft-capping, for models that have it (the identity otherwise)."""
-        cap = self.config.final_logit_softcap
+        """The final logits' scaling (Granite divides them) and soft-capping (Gemma), for models
+        that have them (the identity otherwise)."""
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        cap = cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, ids: Tensor, start: int = 0) -> Tensor:

@@ -250,9 +250,12 @@ class Block(nn.Module):
         self.mlp_norm = rms_norm(config, dim)
         self.mlp = MLP(config)
         self.post_mlp_norm = rms_norm(config, dim) if sandwich else None
+        self.residual_scale = config.residual_multiplier
 
     def forward(self, x, start, cache, cos, sin, mask, int8=False) -> Tensor:
         a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask, int8)
-        x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        a = a if self.post_attn_norm is None else self.post_attn_norm(a)
+        x = x + (a if self.residual_scale == 1.0 else a * self.residual_scale)
         m = self.mlp(self.mlp_norm(x), int8)
-        return x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
+        m = m if self.post_mlp_norm is None else self.post_mlp_norm(m)
+        return x + (m if self.residual_scale == 1.0 else m * self.residual_scale)

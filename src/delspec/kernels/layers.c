@@ -63,6 +63,7 @@ typedef struct {
 typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, gelu;
     float eps, norm_offset, scale;
+    float residual_scale; /* each layer's attention and MLP outputs scaled by it (Granite; 1) */
     int64_t length;      /* cache positions per slot */
     int64_t slot_stride; /* floats between a layer's cache slots (sequences) */
     int num_layers;
@@ -271,7 +272,8 @@ static void residual(const Model *m, const Own *own, const float *delta, const f
             dr = own->delta + r * d;
         }
         float *hr = own->h + r * d;
-        for (int i = 0; i < d; ++i) hr[i] = hr[i] + dr[i];
+        float rs = m->residual_scale;
+        for (int i = 0; i < d; ++i) hr[i] = hr[i] + rs * dr[i];
     }
 }
 

@@ -65,7 +65,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _INT) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate", "gelu")),
-        *((name, _F32) for name in ("eps", "norm_offset", "scale")),
+        *((name, _F32) for name in ("eps", "norm_offset", "scale", "residual_scale")),
         ("length", _I64),
         ("slot_stride", _I64),
         ("num_layers", _INT),
@@ -134,6 +134,7 @@ class LayerKernels:
             eps=cfg.rms_eps,
             norm_offset=cfg.spec.norm_offset,
             scale=cfg.softmax_scale,
+            residual_scale=cfg.residual_multiplier,
             length=0,
             num_layers=cfg.num_layers,
             layers=self.layers,
