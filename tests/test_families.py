@@ -16,6 +16,11 @@ FAMILIES = {
     "qwen2": {"family": "qwen2"},
     "qwen3": {"family": "qwen3", "head_dim": 24},
     "smollm3": {"family": "smollm3", "nope_layers": (1, 3)},
+    "phi3": {
+        "family": "phi3",
+        "sliding_window": 5,
+        "layer_types": ("sliding_attention",) * 6,
+    },
     "granite": {
         "family": "granite",
         "embedding_multiplier": 4.0,

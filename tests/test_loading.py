@@ -37,6 +37,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -72,6 +74,7 @@ GGUF_ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "smollm3": "smollm3",
     "granite": "granite",
+    "phi3": "phi3",
 }
 
 
@@ -102,9 +105,12 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
         writer.add_residual_scale(c.residual_multiplier)
         writer.add_attention_scale(c.attention_multiplier)
         writer.add_logit_scale(c.logits_scaling)
-    if architecture == "gemma3":
+    if architecture in ("gemma3", "phi3") and c.sliding_window:
         writer.add_sliding_window(c.sliding_window)
+    if architecture == "gemma3":
         writer.add_unk_token_id(0)  # its tokenizer class needs one
+    if architecture == "phi3":
+        writer.add_pad_token_id(EOS)  # (Phi3Config's default lies outside the tiny vocabulary)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(c))
     elif rope["rope_type"] != "default":
@@ -487,6 +493,14 @@ def tiny_granite() -> GraniteForCausalLM:
     return GraniteForCausalLM(config).eval()
 
 
+def tiny_phi3() -> Phi3ForCausalLM:
+    """A tiny Phi-3: fused qkv and gate/up tensors, a sliding window on every layer."""
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=2, pad_token_id=None)
+    config = Phi3Config(**shape, sliding_window=5, bos_token_id=BOS, eos_token_id=EOS)
+    return Phi3ForCausalLM(config).eval()
+
+
 def tiny_gemma3() -> PreTrainedModel:
     """A tiny Gemma 3 in what a GGUF file can say of one (its default layer pattern, local RoPE
     base, query scale and no logit softcap), with the tiny tokenizer's vocabulary."""
@@ -509,6 +523,7 @@ LAYOUTS = {
     "qwen3": tiny_qwen3,
     "smollm3": tiny_smollm3,
     "granite": tiny_granite,
+    "phi3": tiny_phi3,
     "gemma3": tiny_gemma3,
 }
 
@@ -671,7 +686,8 @@ def test_gguf_header_matches_the_gguf_packages_reader(tmp_path):
 def test_gguf_config_is_transformers_own(tmp_path, layout):
     """The config made from the header is the one transformers' GGUF loader makes, except for
     a head size the file declares (`attention.key_length`), which transformers' table for
-    Qwen3 drops (leaving Qwen3Config's default) and delspec reads."""
+    Qwen3 drops (leaving Qwen3Config's default) and delspec reads, and Phi-3's sliding
+    window, likewise."""
     model = LAYOUTS[layout]()
     path = write_gguf(model, tmp_path / f"{layout}.gguf")
     ours = gguf_file._hf_config(path, read_header(path))
@@ -680,6 +696,8 @@ def test_gguf_config_is_transformers_own(tmp_path, layout):
     expected, got = theirs.to_diff_dict(), ours.to_diff_dict()
     if getattr(model.config, "head_dim", None):
         expected["head_dim"], got["head_dim"] = model.config.head_dim, ours.head_dim
+    if layout == "phi3":  # its table drops the sliding window too
+        expected["sliding_window"] = model.config.sliding_window
     # only the path transformers read it from, which it keeps, differs
     assert {**got, "_name_or_path": ""} == {**expected, "_name_or_path": ""}
 

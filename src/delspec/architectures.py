@@ -24,6 +24,8 @@ class Family:
     activation: str = "silu"  # "silu" or "gelu_tanh"
     norm_offset: float = 0.0  # RMSNorm scale is (offset + weight), in float32 (Gemma: 1)
     sliding_window_pattern: int | None = None  # every n-th layer global, when no layer_types
+    sliding_everywhere: bool = False  # a `sliding_window` applies to every layer (Phi-3)
+    fused_tensors: bool = False  # checkpoints hold qkv_proj and gate_up_proj fused (Phi-3)
 
 
 FAMILIES: dict[str, Family] = {
@@ -31,6 +33,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "phi3": Family(sliding_everywhere=True, fused_tensors=True),
     "granite": Family(),  # the Llama layout with scalar multipliers (`ModelConfig`)
     "smollm3": Family(),  # the Llama layout; some layers without RoPE (`ModelConfig.nope_layers`)
     "gemma3_text": Family(
@@ -88,7 +91,8 @@ class ModelConfig:
         or "none" (an identity rotation: the layer attends without positions)."""
         if layer in self.nope_layers:
             return "none"
-        return "local" if self.is_sliding(layer) else "global"
+        local = self.is_sliding(layer) and self.rope_local_theta is not None
+        return "local" if local else "global"
 
     @property
     def softmax_scale(self) -> float:
@@ -120,6 +124,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
         rope_theta, rope_scaling, rope_local_theta = _rope(hf)
+        params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ModelFormatError(
+                f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported"
+            )
         family = FAMILIES[model_type]
         num_layers = int(hf["num_hidden_layers"])
         layer_types = _layer_types(hf, family, num_layers)
@@ -199,6 +209,8 @@ def _nope_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 def _layer_types(hf: dict[str, Any], family: Family, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention type; configs written before transformers 4.53 give a pattern."""
     layer_types = tuple(hf.get("layer_types") or ())
+    if not layer_types and family.sliding_everywhere and hf.get("sliding_window"):
+        return ("sliding_attention",) * num_layers
     pattern = hf.get("sliding_window_pattern", family.sliding_window_pattern)
     if not layer_types and pattern:
         layer_types = tuple(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from delspec.architectures import ModelConfig
+from delspec.architectures import Family, ModelConfig
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import BlockWeight
 from delspec.model import Transformer
@@ -21,6 +21,16 @@ FUSED_LINEARS = {
     "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down": ("mlp.down_proj",),
 }
+# Families whose checkpoints hold q/k/v and gate/up already fused (Phi-3), in the same row order.
+FUSED_IN_FILE = FUSED_LINEARS | {
+    "attn.qkv": ("self_attn.qkv_proj",),
+    "mlp.gate_up": ("mlp.gate_up_proj",),
+}
+
+
+def linear_parts(spec: Family) -> dict[str, tuple[str, ...]]:
+    """Each fused linear layer's checkpoint weights (prefix-free, without `.weight`)."""
+    return FUSED_IN_FILE if spec.fused_tensors else FUSED_LINEARS
 
 
 def strip_prefix(name: str) -> str:
@@ -106,7 +116,7 @@ def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
     mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
     for i, block in enumerate(model.layers):
         p = f"layers.{i}."
-        for module, parts in FUSED_LINEARS.items():
+        for module, parts in linear_parts(spec).items():
             linear = block.get_submodule(module)
             fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
             label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"

@@ -58,6 +58,9 @@ AS_LAYOUT: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
         },
     ),
 }
+# Metadata transformers' GGUF table for an architecture drops: {metadata key after "<arch>.":
+# config field}.
+OWN_KEYS: dict[str, dict[str, str]] = {"phi3": {"attention.sliding_window": "sliding_window"}}
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
@@ -172,6 +175,7 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     name = str(header.metadata.get("general.name", ""))
     renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
     renamed, extra, own_keys = AS_LAYOUT.get(architecture, (renamed, {}, {}))
+    own_keys = own_keys | OWN_KEYS.get(architecture, {})
     values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}))
     values["tie_word_embeddings"] = "output.weight" not in header.tensors
     for key, value in header.metadata.items():

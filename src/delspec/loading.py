@@ -217,10 +217,10 @@ def _load(
     if weights == "native":
         assert isinstance(source, GGUFFile)  # resolve_weights allows native for GGUF files only
         blocks = native_blocks(source, config)
-        check_layout(blocks, source)
+        check_layout(blocks, source, config)
     else:
         blocks = int8_blocks(source, config) if weights == "int8" else {}
-    wanted = sorted(set(source.names) - hf_names(set(blocks)))
+    wanted = sorted(set(source.names) - hf_names(set(blocks), config))
     # in float weights this is the whole load; next to blocks, only norms and biases are left
     reading = progress(wanted, len(wanted), "reading", 0 if blocks else source.size)
     state = {tensor: source.get(tensor) for tensor in reading}

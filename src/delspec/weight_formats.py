@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from delspec.architectures import ModelConfig
-from delspec.checkpoint import FUSED_LINEARS
+from delspec.checkpoint import linear_parts
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.gguf_file import GGUFFile, gguf_layout
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
@@ -34,6 +34,7 @@ _GGUF_PARTS = {
     "mlp.gate_up": ("ffn_gate", "ffn_up"),
     "mlp.down": ("ffn_down",),
 }
+_GGUF_FUSED_PARTS = _GGUF_PARTS | {"attn.qkv": ("attn_qkv",), "mlp.gate_up": ("ffn_up",)}
 
 
 def resolve_weights(weights: str | None, source: Path, device: str) -> str:
@@ -72,7 +73,9 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
     if "output.weight" in file.tensors:
         wanted["lm_head"] = ["output.weight"]
     for i in range(config.num_layers):
-        for module, parts in _GGUF_PARTS.items():
+        for module, parts in (
+            _GGUF_FUSED_PARTS if config.spec.fused_tensors else _GGUF_PARTS
+        ).items():
             wanted[f"layers.{i}.{module}"] = [f"blk.{i}.{part}.weight" for part in parts]
     blocks: dict[str, BlockWeight] = {}
     floats: set[str] = set()
@@ -111,9 +114,9 @@ def _rope_rows(raw: np.ndarray, heads: int) -> list[np.ndarray]:
     return [raw[h * size + odd : (h + 1) * size : 2] for h in range(heads) for odd in (0, 1)]
 
 
-def hf_names(modules: set[str]) -> set[str]:
+def hf_names(modules: set[str], config: ModelConfig) -> set[str]:
     """The Hugging Face weights (prefix-free names) that block weights for `modules` replace."""
-    names = set()
+    names, parts = set(), linear_parts(config.spec)
     for module in modules:
         if module == "embedding":
             names.add("embed_tokens.weight")
@@ -121,16 +124,20 @@ def hf_names(modules: set[str]) -> set[str]:
             names.add("lm_head.weight")
         else:
             layer, fused = module.split(".", 2)[1], module.split(".", 2)[2]
-            names.update(f"layers.{layer}.{part}.weight" for part in FUSED_LINEARS[fused])
+            names.update(f"layers.{layer}.{part}.weight" for part in parts[fused])
     return names
 
 
-def check_layout(blocks: dict[str, BlockWeight], source: TensorSource) -> None:
+def check_layout(blocks: dict[str, BlockWeight], source: TensorSource, config: ModelConfig) -> None:
     """Check that the first layer's query and key block rows hold the values transformers
     reads from the file, in its row order, or raise ModelFormatError."""
     if "layers.0.attn.qkv" not in blocks:
         return
-    reference = torch.cat([source.get(f"layers.0.self_attn.{x}_proj.weight") for x in "qk"])
+    if config.spec.fused_tensors:
+        qk = (config.num_heads + config.num_kv_heads) * config.head_dim
+        reference = source.get("layers.0.self_attn.qkv_proj.weight")[:qk]
+    else:
+        reference = torch.cat([source.get(f"layers.0.self_attn.{x}_proj.weight") for x in "qk"])
     values = blocks["layers.0.attn.qkv"].dequantize()[: len(reference)]
     if not torch.allclose(values, reference.float(), rtol=1e-3, atol=1e-4):
         raise ModelFormatError(
@@ -151,7 +158,7 @@ def int8_blocks(source: TensorSource, config: ModelConfig) -> dict[str, BlockWei
     if not config.tie_embeddings:
         wanted["lm_head"] = ["lm_head.weight"]
     for i in range(config.num_layers):
-        for module, parts in FUSED_LINEARS.items():
+        for module, parts in linear_parts(config.spec).items():
             wanted[f"layers.{i}.{module}"] = [f"layers.{i}.{part}.weight" for part in parts]
     for names in wanted.values():
         missing = [name for name in names if name not in source.names]
