@@ -1,0 +1,1 @@
+"""What is measured on this machine: kernel choices and timing."""
