@@ -42,13 +42,13 @@ import torch
 from delspec import load_model
 from delspec.bench.environment import read_bandwidth, run_environment
 from delspec.bench.tasks import TASKS, load_task
-from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, ContextIndex
 from delspec.decode_config import STRATEGIES, DecodeConfig
-from delspec.draft_head import draft_head
-from delspec.engine import Engine
-from delspec.generate import generate
+from delspec.decoding.engine import Engine
+from delspec.decoding.generate import generate
+from delspec.decoding.sampling import Sampling
+from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, ContextIndex
+from delspec.drafting.draft_head import draft_head
 from delspec.policies.fast_dynamic_exit import MATCH_CLASSES, _ContextScore
-from delspec.sampling import Sampling
 
 RESULTS = Path(__file__).parent / "results" / "headroom"
 FINAL_DRAFTS = 4  # the most final-layer drafts a round of the bounds makes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from delspec.loading import LoadedModel, load_model
+from delspec.weights.loading import LoadedModel, load_model
 
 # Tiny test models are dominated by per-op overhead, where a second thread only adds contention.
 torch.set_num_threads(1)

@@ -12,13 +12,13 @@ from test_costs import profile
 from test_lossless import run
 from tiny_models import tiny_model
 
-from delspec.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
-from delspec.costs import MeasuredCost
 from delspec.decode_config import StaticOptions
-from delspec.decoding import Decoding, decode_tokens
-from delspec.engine import ExitHead, Round
+from delspec.decoding.engine import ExitHead, Round
+from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.errors import ConfigError
 from delspec.policies import Plan, make_policy
+from delspec.policies.costs import MeasuredCost
 from delspec.policies.fixed import Static
 
 

@@ -14,11 +14,11 @@ import torch
 from tiny_models import tiny_model
 from tqdm import tqdm
 
-from delspec import costs
-from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
-from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import best_plan, expected_tokens
+from delspec.decoding.engine import ExitHead, Round
+from delspec.drafting.draft_head import DraftHead
+from delspec.policies import costs
+from delspec.policies.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
+from delspec.policies.exit_statistics import best_plan, expected_tokens
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
@@ -335,7 +335,7 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
 
 
 def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsys, caplog):
-    caplog.set_level(logging.INFO, logger="delspec.costs")
+    caplog.set_level(logging.INFO, logger="delspec.policies.costs")
     layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
     cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
     check = CostCheck(cost, window=16)

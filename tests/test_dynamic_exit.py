@@ -11,8 +11,8 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import PAPER
-from delspec.decoding import decode_tokens
-from delspec.engine import ExitHead, Round
+from delspec.decoding.engine import ExitHead, Round
+from delspec.decoding.sequence import decode_tokens
 from delspec.policies import make_policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit

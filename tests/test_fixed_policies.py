@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from delspec.engine import Round
+from delspec.decoding.engine import Round
 from delspec.policies import Plan, make_policy
 
 

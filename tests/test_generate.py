@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from tiny_models import tiny_model
 
+from delspec.decoding.generate import TextStream, generate
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.generate import TextStream, generate
-from delspec.loading import LoadedModel
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library, simd_paths
 from delspec.kernels.layers import prompt_tiles_ready
-from delspec.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
+from delspec.weights.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each type's float16 block fields (scales and minimums).

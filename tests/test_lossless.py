@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.context_drafts import NO_PROPOSAL
 from delspec.decode_config import StaticOptions
-from delspec.decoding import decode_tokens
-from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
+from delspec.decoding.engine import ExitHead, Round
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.context_drafts import NO_PROPOSAL
+from delspec.drafting.draft_head import DraftHead
 from delspec.policies import STRATEGIES, Plan, make_policy
 from delspec.policies.fixed import Static
 

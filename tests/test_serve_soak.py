@@ -15,8 +15,8 @@ from test_server_batching import PROMPTS
 
 from delspec.bench.serve_soak import soak, write_soak
 from delspec.bench.serve_stress import big_bodies, long_join, stress_table
-from delspec.loading import LoadedModel
 from delspec.server import create_app
+from delspec.weights.loading import LoadedModel
 
 
 def test_a_short_soak_finds_a_correct_server_correct(smollm2: LoadedModel, tmp_path: Path) -> None:

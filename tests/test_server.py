@@ -20,12 +20,12 @@ from test_generate import CUT_OFF_PROMPTS
 from tiny_models import tiny_model
 
 from delspec.decode_config import DEFAULT_STRATEGY, DecodeConfig
+from delspec.decoding.generate import generate
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.generate import generate
-from delspec.loading import LoadedModel
-from delspec.sampling import Sampling
 from delspec.server import create_app, serve
 from delspec.server import serving as running
+from delspec.weights.loading import LoadedModel
 
 TIMEOUT = 60.0  # seconds, for any one HTTP call
 CHAT = "/v1/chat/completions"

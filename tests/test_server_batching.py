@@ -26,10 +26,10 @@ from test_server import (
 )
 
 from delspec.bench.serve_load import parse_setups, run_bench_serve
+from delspec.decoding.generate import generate
 from delspec.errors import ConfigError
-from delspec.generate import generate
-from delspec.loading import LoadedModel
 from delspec.server import create_app
+from delspec.weights.loading import LoadedModel
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):", "Hello", "1, 2, 3,"]
 

@@ -11,10 +11,10 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
+from delspec.decoding.generate import Result, Stats, generate
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
-from delspec.generate import Result, Stats, generate
-from delspec.loading import LoadedModel, load_model
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel, load_model
 
 __all__ = [
     "PRESETS",

@@ -22,7 +22,7 @@ from delspec.errors import ConfigError
 from delspec.kernels.products import int8_supported
 
 if TYPE_CHECKING:
-    from delspec.adapters import ExitAdapters
+    from delspec.drafting.adapters import ExitAdapters
 
 DEFAULT_STRATEGY = "del-fast"
 # del-fast drafts with the LM-head rows of the most frequent tokens (when the vocabulary is at

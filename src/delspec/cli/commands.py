@@ -28,7 +28,7 @@ from delspec.cli.arguments import (
 from delspec.errors import ConfigError, DelspecError
 
 if TYPE_CHECKING:
-    from delspec.generate import Result
+    from delspec.decoding.generate import Result
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
@@ -69,8 +69,8 @@ def _stop_string(text: str) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from delspec.generate import checked_stop, checked_text, generate
-    from delspec.sampling import Sampling
+    from delspec.decoding.generate import checked_stop, checked_text, generate
+    from delspec.decoding.sampling import Sampling
 
     config = decode_config(args)
     sampling = Sampling(
@@ -444,7 +444,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = select_prompts(
         tasks, args.num_samples, args.seed, args.prompts, calibration_count(methods)
     )
-    from delspec.sampling import Sampling
+    from delspec.decoding.sampling import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     writable_directory(args.out, "--out")  # after the arguments' checks, before the work
@@ -496,8 +496,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from delspec.adapters import default_adapters_path, save_adapters
-    from delspec.calibration import calibrate, read_prompts
+    from delspec.drafting.adapters import default_adapters_path, save_adapters
+    from delspec.drafting.calibration import calibrate, read_prompts
 
     if args.out is not None:
         if args.out.is_dir():

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from delspec.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.decoding.sampling import Sampler, Sampling, as_rows, greedy_tokens
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.errors import ConfigError
 from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.kernels.scores import top_logsumexp
-from delspec.model import Transformer
-from delspec.sampling import Sampler, Sampling, as_rows, greedy_tokens
+from delspec.model.transformer import Transformer
 
 
 class ExitHead:

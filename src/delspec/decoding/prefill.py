@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from delspec.timing import fastest_seconds, synchronize
+from delspec.machine.timing import fastest_seconds, synchronize
 
 if TYPE_CHECKING:
-    from delspec.decoding import Decoding
-    from delspec.model import Transformer
+    from delspec.decoding.sequence import Decoding
+    from delspec.model.transformer import Transformer
 
 
 def measured_attention_span(

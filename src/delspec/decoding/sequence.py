@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from delspec.engine import Engine, ExitHead, Round, through_eos
+from delspec.decoding.engine import Engine, ExitHead, Round, through_eos
+from delspec.decoding.prefill import Prefill, prefill_chunk
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError, ContextLengthError, is_integer
-from delspec.model import Transformer
+from delspec.machine.timing import fastest_seconds, synchronize
+from delspec.model.transformer import Transformer
 from delspec.policies import Policy
-from delspec.prefill import Prefill, prefill_chunk
-from delspec.sampling import Sampling
-from delspec.timing import fastest_seconds, synchronize
 
 OnRound = Callable[[list[int], int], bool]
 # per generated token: (its log-probability, the most likely tokens' (id, log-probability))

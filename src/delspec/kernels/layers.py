@@ -20,8 +20,8 @@ from delspec.kernels.build import library
 from delspec.kernels.team import TEAM
 
 if TYPE_CHECKING:
-    from delspec.model import Transformer
-    from delspec.modules import Linear as LinearModule
+    from delspec.model.modules import Linear as LinearModule
+    from delspec.model.transformer import Transformer
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 3

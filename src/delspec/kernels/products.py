@@ -1,8 +1,8 @@
 """The product kernels a linear layer can use, `y = x @ weight.T`, and its derived weight copies.
 
 Which kernel wins depends on the CPU, the thread count, the weight's shape and the number of
-rows, so none is hard-coded: `delspec.kernel_choice` times the candidates on the machine and each
-`Linear` keeps the winner per row bucket (`row_bucket`). Candidates:
+rows, so none is hard-coded: `delspec.machine.kernel_choice` times the candidates on the
+machine and each `Linear` keeps the winner per row bucket (`row_bucket`). Candidates:
 
 - float weights (`FLOAT_KERNELS`): `F.linear`; `narrow`, the same product as `weight @ x.T`
   over chunks of at most four columns, which some BLAS builds stream at a higher bandwidth than

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from delspec.decoding.sampling import greedy_tokens
 from delspec.kernels.build import library
-from delspec.sampling import greedy_tokens
 
 
 def top_logsumexp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -24,13 +24,13 @@ from collections.abc import Callable
 import torch
 
 from delspec.cache import cache_dir, write_atomically
-from delspec.costs import PROFILE_MAX_AGE_S
 from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.model import Transformer
-from delspec.modules import Linear
-from delspec.timing import settled_seconds
+from delspec.machine.timing import settled_seconds
+from delspec.model.modules import Linear
+from delspec.model.transformer import Transformer
+from delspec.policies.costs import PROFILE_MAX_AGE_S
 
 CHOICE_VERSION = 3
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group

@@ -30,10 +30,10 @@ from torch import Tensor
 from tqdm import tqdm
 
 from delspec.cache import write_atomically
-from delspec.engine import ExitHead, Round
+from delspec.decoding.engine import ExitHead, Round
 from delspec.kernels.build import build_key, cpu_name
-from delspec.model import Transformer
-from delspec.timing import settled_seconds, synchronize
+from delspec.machine.timing import settled_seconds, synchronize
+from delspec.model.transformer import Transformer
 
 Array = np.ndarray
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
@@ -756,7 +756,7 @@ class CostCheck:
     it prices the next process's plain steps too (on SmolLM2, one process whose drafting rounds
     ran 1.44x the profile before any plain steps were compared stored x1.44 for every timing,
     and the processes after it chose differently from the same prompts). Each correction is
-    logged (logger `delspec.costs`, level INFO: not printed into a streamed answer).
+    logged (logger `delspec.policies.costs`, level INFO: not printed into a streamed answer).
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /

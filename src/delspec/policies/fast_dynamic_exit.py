@@ -17,13 +17,18 @@ import torch
 from torch import Tensor
 
 from delspec.cache import cache_dir
-from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
-from delspec.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.decode_config import DELOptions
-from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens, position_sums
-from delspec.policies.base import Plan
+from delspec.decoding.engine import ExitHead, Round
+from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
+from delspec.policies.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.policies.dynamic_exit import DynamicExit
+from delspec.policies.exit_statistics import (
+    ExitStatistics,
+    best_plan,
+    expected_tokens,
+    position_sums,
+)
+from delspec.policies.protocol import Plan
 
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
@@ -75,11 +80,11 @@ class FastDynamicExit(DynamicExit):
     """DEL with del-fast's additions, each an option (all off in the paper's DEL):
 
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured work per round (apart for
-      rounds that draft from a layer, whose bookkeeping costs several times more). d* also
-      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
-      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
-      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
+      this device (`delspec.policies.costs`) plus the policy's own measured work per round
+      (apart for rounds that draft from a layer, whose bookkeeping costs several times more).
+      d* also caps the draft (verifying more tokens than pays can cost several plain steps on a
+      CPU), and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so
+      that a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
       promise `margin` (default 5%) more tokens per second than a plain step, or the round is
       plain: estimates from a few positions are noisy, and a wrong draft costs more than a
       right one gains.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delspec.context_drafts import NO_PROPOSAL, ContextProposal
-from delspec.engine import ExitHead, Round
+from delspec.decoding.engine import ExitHead, Round
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.errors import ConfigError
 
 

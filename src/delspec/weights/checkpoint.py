@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from delspec.architectures import ModelConfig
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import BlockWeight
-from delspec.model import Transformer
-from delspec.modules import RMSNorm
+from delspec.model.architectures import ModelConfig
+from delspec.model.modules import RMSNorm
+from delspec.model.transformer import Transformer
 
 # The Hugging Face weights that each fused linear layer of a block is made of, in row order.
 FUSED_LINEARS = {

@@ -27,12 +27,12 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-from delspec.architectures import FAMILIES, config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
-from delspec.checkpoint import strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
-from delspec.gguf_header import GGUFHeader, read_header
-from delspec.modules import rope_inv_freq
+from delspec.model.architectures import FAMILIES, config_from_hf
+from delspec.model.modules import rope_inv_freq
+from delspec.weights.checkpoint import strip_prefix
+from delspec.weights.gguf_header import GGUFHeader, read_header
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
