@@ -12,7 +12,6 @@ from tiny_models import save_hf_dir, tiny_model
 
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
-from delspec.decoding.engine import ExitHead
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.adapters import (
@@ -24,6 +23,7 @@ from delspec.drafting.adapters import (
 from delspec.drafting.calibration import fit_adapters, read_prompts
 from delspec.drafting.draft_head import DraftHead, draft_head
 from delspec.drafting.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.policies import STRATEGIES, make_policy
 from delspec.weights.loading import LoadedModel

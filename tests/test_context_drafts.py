@@ -13,13 +13,14 @@ from test_lossless import run
 from tiny_models import tiny_model
 
 from delspec.decode_config import StaticOptions
-from delspec.decoding.engine import ExitHead, Round
 from delspec.decoding.sequence import Decoding, decode_tokens
 from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.policies import Plan, make_policy
 from delspec.policies.costs import MeasuredCost
 from delspec.policies.fixed import Static
+from delspec.policies.protocol import Round
 
 
 def reference_proposal(tokens, limit, min_ngram, max_ngram, after=()):

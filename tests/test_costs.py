@@ -14,11 +14,12 @@ import torch
 from tiny_models import tiny_model
 from tqdm import tqdm
 
-from delspec.decoding.engine import ExitHead, Round
 from delspec.drafting.draft_head import DraftHead
+from delspec.drafting.exit_head import ExitHead
 from delspec.policies import costs
 from delspec.policies.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
 from delspec.policies.exit_statistics import best_plan, expected_tokens
+from delspec.policies.protocol import Round
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])

@@ -23,10 +23,10 @@ from delspec.decode_config import (
     StaticOptions,
     parse_option,
 )
-from delspec.decoding.engine import ExitHead
 from delspec.decoding.generate import generate
 from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.draft_head import draft_head
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.policies import POLICIES, make_policy
 from delspec.policies.costs import LayerCost

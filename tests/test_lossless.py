@@ -9,12 +9,13 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import StaticOptions
-from delspec.decoding.engine import ExitHead, Round
 from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.context_drafts import NO_PROPOSAL
 from delspec.drafting.draft_head import DraftHead
+from delspec.drafting.exit_head import ExitHead
 from delspec.policies import STRATEGIES, Plan, make_policy
 from delspec.policies.fixed import Static
+from delspec.policies.protocol import Round
 
 POLICIES = {
     "static": dict(exit_layer=2, draft_length=4),

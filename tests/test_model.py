@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from delspec.decode_config import default_int8_draft
-from delspec.decoding.engine import ExitHead
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
 from delspec.kernels.products import (
     FLOAT_KERNELS,

@@ -10,15 +10,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.decoding.prefill import (
-    Prefill,
-    chunk_rows,
-    fair_shares,
-    measured_attention_span,
-    prefill_chunk,
-)
-from delspec.decoding.sequence import Decoding, decode_tokens, start_together, step_together
+from delspec.decoding.batch import start_together, step_together
+from delspec.decoding.prefill import Prefill, chunk_rows, fair_shares, prefill_chunk
+from delspec.decoding.sequence import Decoding, decode_tokens
 from delspec.kernels.layers import prompt_tiles_ready
+from delspec.machine.batching import measured_attention_span
 from delspec.model.transformer import Transformer
 from delspec.policies import make_policy
 

@@ -16,10 +16,11 @@ from test_lossless import POLICIES, AtLevel
 from tiny_models import tiny_model
 
 from delspec.decoding import sampling as sampling_module
-from delspec.decoding.sampling import Sampler, Sampling, greedy_tokens
+from delspec.decoding.sampling import Sampler, Sampling
 from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.draft_head import DraftHead
 from delspec.errors import ConfigError
+from delspec.kernels.scores import greedy_tokens
 from delspec.policies import make_policy
 
 VOCAB, NEW, SAMPLES = 6, 3, 2000

@@ -30,16 +30,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from delspec.cache import write_atomically
-from delspec.decoding.engine import ExitHead, Round
+from delspec.drafting.exit_head import ExitHead
 from delspec.kernels.build import build_key, cpu_name
-from delspec.machine.timing import settled_seconds, synchronize
+from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
 from delspec.model.transformer import Transformer
+from delspec.policies.protocol import Round
 
 Array = np.ndarray
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
 LOG = logging.getLogger(__name__)
-PROFILE_MAX_AGE_S = 7 * 24 * 3600
 UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
 PROFILE_VERSION = 17
 # Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
@@ -684,7 +684,7 @@ def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, l
     if stored is None:
         return None
     profile, draft_heads = stored
-    age = PROFILE_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
+    age = MEASURED_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
     fresh = time.time() - profile.measured_at < age
     if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
         return profile, draft_heads

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from delspec.cache import cache_dir
 from delspec.decode_config import DELOptions
-from delspec.decoding.engine import ExitHead, Round
 from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
+from delspec.drafting.exit_head import ExitHead
 from delspec.policies.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.exit_statistics import (
@@ -28,7 +28,7 @@ from delspec.policies.exit_statistics import (
     expected_tokens,
     position_sums,
 )
-from delspec.policies.protocol import Plan
+from delspec.policies.protocol import Plan, Round
 
 WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
 MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all

@@ -4,9 +4,9 @@ context lookup."""
 from __future__ import annotations
 
 from delspec.decode_config import DVOptions, FSOptions, LookupOptions, NoOptions, StaticOptions
-from delspec.decoding.engine import ExitHead, Round
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
-from delspec.policies.protocol import Plan, Policy
+from delspec.drafting.exit_head import ExitHead
+from delspec.policies.protocol import Plan, Policy, Round
 
 
 class Autoregressive(Policy):

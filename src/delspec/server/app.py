@@ -17,11 +17,10 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.decode_config import DecodeConfig
-from delspec.decoding.prefill import measured_attention_span
-from delspec.decoding.sequence import measured_batch_seconds, paying_batch
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.drafting.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError, is_integer
+from delspec.machine.batching import measured_attention_span, measured_batch_seconds, paying_batch
 from delspec.policies import make_policy
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from prometheus_client.core import Metric
 
-from delspec.decoding.sequence import BATCH_SIZES
 from delspec.errors import ConfigError
+from delspec.machine.batching import BATCH_SIZES
 from delspec.server.app import DEFAULT_MAX_QUEUE, create_app
 from delspec.server.metrics import MergedMetrics
 from delspec.weights.loading import load_model

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding.batch import step_together
 from delspec.decoding.generate import TextDecoding
 from delspec.decoding.prefill import Prefill, prefill_chunk
-from delspec.decoding.sequence import step_together
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.errors import DelspecError
 from delspec.server.metrics import Metrics
