@@ -18,7 +18,7 @@ from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.policies import Plan, make_policy
-from delspec.policies.costs import MeasuredCost
+from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fixed import Static
 from delspec.policies.protocol import Round
 

@@ -29,7 +29,7 @@ from delspec.drafting.draft_head import draft_head
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.policies import POLICIES, make_policy
-from delspec.policies.costs import LayerCost
+from delspec.policies.cost_model import LayerCost
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit
 from delspec.server.protocol import CompletionRequest

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from delspec.policies.costs import LayerCost
+from delspec.policies.cost_model import LayerCost
 from delspec.policies.exit_statistics import (
     ExitStatistics,
     best_plan,

@@ -16,7 +16,7 @@ from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
 from delspec.policies import fast_dynamic_exit, make_policy
-from delspec.policies.costs import MeasuredCost
+from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fast_dynamic_exit import HELD_BATCH, FastDynamicExit
 from delspec.policies.protocol import Round
 

@@ -18,7 +18,7 @@ from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.kernels.scores import top_logsumexp
-from delspec.policies.costs import LayerCost
+from delspec.policies.cost_model import LayerCost
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.protocol import Plan, Policy, Round
 

@@ -1,61 +1,32 @@
 """Cost models for choosing the exit layer and draft length: what one round costs.
 
-`LayerCost` is the paper's (layer loads). `MeasuredCost` uses seconds measured on the actual
-device, dtype and thread count (`measure_profile`), cached per model and setting. A profile timed
-while the machine was busy would mislead every later run that reads it (issue 29: 250x too slow,
-for a week), so timings are taken in interleaved rounds until two takes agree, and `CostCheck`
-compares a run's rounds with the profile's predictions and corrects the profile (and marks its
-file for measuring again) when they disagree for a sustained stretch.
+`LayerCost` is the paper's (layer loads). `MeasuredCost` uses the seconds of a cost profile
+measured on this machine (`delspec.machine.cost_profile`). `CostCheck` compares a run's rounds
+with the profile's predictions and corrects the profile (and marks its file for measuring again)
+when they disagree for a sustained stretch: a profile timed while the machine was busy would
+otherwise mislead every later run that reads it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import random
 import statistics
-import sys
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from torch import Tensor
-from tqdm import tqdm
 
-from delspec.cache import write_atomically
-from delspec.drafting.exit_head import ExitHead
-from delspec.kernels.build import build_key, cpu_name
-from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
-from delspec.model.transformer import Transformer
+from delspec.machine.cost_profile import CostProfile, mark_stale, store_correction
 from delspec.policies.protocol import Round
 
 Array = np.ndarray
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
 LOG = logging.getLogger(__name__)
-UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
-PROFILE_VERSION = 17
-# Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
-DRAFT_HEAD_ROUNDS = 16
-# Plain steps after a verification in which its cost may still show (`measure_in_decoding`), and
-# the share of what a round leaves that shows in the next one (`CostCheck`): on an Intel Xeon, a
-# verification of 19 rows slowed the four steps after it by about a step in all, most of it in
-# the first.
-LINGER_STEPS = 4
+# The share of what a round leaves to the steps after it that shows in the next one (`CostCheck`).
 LINGER_SHARE = 0.5
-# Timed cycles of `measure_in_decoding`: at most, at least, and how many seconds decide between
-# (at the untimed first cycle's pace). SmolLM2's cycle takes ~0.5-1 s on a 2-core Xeon, a
-# 1 GB Q4_K_M file's ~7 s (eight cycles: ~1 minute of a first run), an 8B's about 5x that.
-IN_DECODING_CYCLES = 8
-IN_DECODING_MIN_CYCLES = 3
-IN_DECODING_BUDGET_S = 24.0
 # How many standard errors a gap between k rows' and plain steps' mean log ratio must exceed
 # before the profile's k rows are corrected (`CostCheck.observe_rows`)
 NOISE_ERRORS = 3.0
@@ -72,55 +43,6 @@ class LayerCost:
         do not depend on the draft vocabulary `levels`."""
         d = np.asarray(draft_lengths, dtype=np.float64)[None, :]
         return d * np.asarray(exit_layers, dtype=np.float64)[:, None] + self.num_layers
-
-
-@dataclass
-class CostProfile:
-    """Seconds measured for this model on one device/dtype/thread setting.
-
-    `layer[k - 1]`: k new tokens through one layer after a context of `context` positions;
-    `head[k - 1]`: k rows through the full LM head; `draft_layer`: one token through one layer
-    as drafts run it (on int8 weights when `int8`); `layer_slope[k - 1]` and
-    `draft_layer_slope`: what each position more of context adds to those (attention reads
-    every earlier position); `draft_head[v]`: one row through the draft head's vocabulary level
-    v (`ExitHead.vocabs`), for the head the profile was loaded for; `lingering[k - 1]`: what a
-    round verifying k rows through every layer adds to the plain steps after it (none for one
-    row; empty: nothing measured, as in a profile made by hand). `settled`: whether
-    the timings can be trusted (two takes agreed); an unsettled profile is measured again after
-    an hour rather than a week. `path`: the file it was read from or written to (not stored).
-    """
-
-    layer: list[float]
-    head: list[float]
-    draft_layer: float
-    draft_head: list[float]
-    int8: bool
-    key: str
-    measured_at: float
-    context: int = 0
-    layer_slope: list[float] = field(default_factory=list)
-    draft_layer_slope: float = 0.0
-    lingering: list[float] = field(default_factory=list)
-    version: int = PROFILE_VERSION
-    settled: bool = field(default=True, compare=False)
-    path: str = field(default="", compare=False)
-
-    def scale(self, factor: float, drafts_only: bool = False) -> None:
-        """Multiply the timings by `factor` in place: all of them, or (`drafts_only`) only those
-        of drafting from a layer (its passes and draft heads)."""
-        if not drafts_only:
-            for name in ("layer", "head", "layer_slope", "lingering"):
-                setattr(self, name, [t * factor for t in getattr(self, name)])
-        self.draft_layer *= factor
-        self.draft_layer_slope *= factor
-        self.draft_head = [t * factor for t in self.draft_head]
-
-    def scale_rows(self, rows: int, factor: float) -> None:
-        """Multiply the timings of `rows` positions through the layers and through the head by
-        `factor` in place (what one round verifying that many rows costs)."""
-        for values in (self.layer, self.head, self.layer_slope):
-            if rows <= len(values):
-                values[rows - 1] *= factor
 
 
 class MeasuredCost:
@@ -372,356 +294,6 @@ def _as_key(values: Ints) -> tuple[int, ...]:
     return values if isinstance(values, tuple) else tuple(np.asarray(values).tolist())
 
 
-def profile_key(exit_head: ExitHead) -> str:
-    """Identifies the setting a profile's model timings were measured for: model shape, device
-    (and the CPU), dtype, weight format, threads, the compiled kernels' build, and whether drafts
-    run on int8 weights (not the draft head's vocabulary: its timings are kept per vocabulary
-    within the profile)."""
-    model = exit_head.model
-    parts = [
-        repr(model.config),
-        str(model.device),
-        cpu_name(),
-        str(model.dtype),
-        model.weights,
-        str(torch.get_num_threads()),
-        torch.__version__,
-        build_key(),
-        "int8" if exit_head.int8 else "exact",
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def measure_profile(
-    exit_head: ExitHead,
-    exit_layer: int,
-    max_tokens: int,
-    context: int = 128,
-    far: int = 512,
-    repeats: int = 3,
-) -> CostProfile:
-    """Time the primitives a round is made of, for 1..max_tokens new tokens (at the row
-    counts of `row_counts`, in between by interpolation), after `context` positions and (for
-    the layers' slopes: at 1, half and all of max_tokens rows) after `far`; drafts through
-    `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in
-    which they all take turns, taken again until two takes agree (`settled_seconds`); k rows
-    through every layer and the head (a verification), and what they add to the steps after
-    them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`)."""
-    model = exit_head.model
-    cfg, int8, layers = model.config, exit_head.int8, model.num_layers
-    far = max(min(cfg.max_position - max_tokens - 1, far), 0)
-    context = min(context, far)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (far + max_tokens,), generator=gen).to(model.device)
-    # parts: the layer and head timings, each cycle in decoding (and its untimed one), the
-    # draft heads; on a terminal only
-    bar = tqdm(
-        total=IN_DECODING_CYCLES + 3,
-        desc="measuring decode costs",
-        unit="part",
-        file=sys.stderr,
-        leave=False,
-        disable=None,
-    )
-    with model.scratch_cache(far + max_tokens + 1), torch.inference_mode():
-        if far:
-            model.run_layers(model.embed(ids[:far]), 0, 0, layers)
-        states = model.embed(ids[far:])
-        one = states[:1]
-
-        runs: dict[object, Callable[[], object]] = {}
-        rows_of: dict[object, int] = {}  # each run's rows
-        every = range(1, max_tokens + 1)
-        sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
-        timed = sorted({*row_counts(max_tokens), *sampled})
-        for at, counts in ((context, timed), (far, sampled)):
-            for k in counts:
-                h = states[:k]
-                runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
-                rows_of["layer", at, k] = k
-            runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
-            rows_of["drafted", at] = 1
-        for k in timed:
-            h = states[:k]
-            runs["head", k] = lambda h=h: model.head(h)
-            rows_of["head", k] = k
-        # a plain step as decoding runs it: the head's weights read just after the layers'
-        # (each timed alone found the caches as its previous run left them: one row through
-        # the layers came out 30% slower than in a decode loop on SmolLM2, and a head alone up
-        # to 2x faster)
-        runs["step"] = lambda: model.head(model.run_layers(one, context, 0, layers))
-        rows_of["step"] = 1
-        # taken from the most rows to the fewest: the few steps after a long verification run
-        # slower (on an Intel Xeon, the step after 19 rows up to 1.6x, recovering over about
-        # four steps), and in the order they were built, the one-row runs came right after the
-        # 19-row ones: one row read 25-35% dearer than in a decode loop, and a layer draft's
-        # every pass with it
-        ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
-        seconds, settled = settled_seconds(ordered, repeats, model.device)
-        bar.update()
-        own, lingering = measure_in_decoding(model, states, context, bar=bar)
-    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer)
-    bar.update()
-    bar.close()
-    span = max(far - context, 1)
-    # the layers without the head, and the head timed alone, at every row count
-    alone = np.interp(every, timed, [seconds["layer", context, k] for k in timed]).tolist()
-    head_alone = np.interp(every, timed, [seconds["head", k] for k in timed]).tolist()
-    # k rows with the head as decoding meets them (in proportion to a plain step), no less
-    # than the layers alone nor than fewer rows: a round that verifies more never reads as
-    # cheaper
-    step = seconds["step"]
-    rows = np.maximum.accumulate([max(step * own[k - 1], alone[k - 1]) for k in every])
-    # the head's share of k rows: what they took beyond the layers alone (the head as a step
-    # meets it, right after the layers' weights; timed alone, after another run, one row's
-    # head read 1.5x two rows' on an Intel Xeon), at least half of the head timed alone
-    head = [max(rows[k - 1] - alone[k - 1], 0.5 * head_alone[k - 1]) for k in every]
-    near = [(rows[k - 1] - head[k - 1]) / layers for k in every]  # a layer's share of k rows
-    # per layer, what `far` positions add to the same rows after `context` (layers alone)
-    measured = [(seconds["layer", far, k] - alone[k - 1]) / layers for k in sampled]
-    deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
-    drafted = seconds["drafted", context] / layers
-    return CostProfile(
-        layer=near,
-        head=head,
-        draft_layer=drafted,
-        draft_head=draft_head,
-        int8=int8,
-        key=profile_key(exit_head),
-        measured_at=time.time(),
-        context=context,
-        layer_slope=[max(d - n, 0.0) / span for n, d in zip(near, deep, strict=True)],
-        draft_layer_slope=max(seconds["drafted", far] / layers - drafted, 0.0) / span,
-        lingering=[step * g for g in lingering],
-        settled=settled and heads_settled,
-    )
-
-
-def row_counts(most: int) -> list[int]:
-    """The row counts at which verifications are timed, up to `most`: every count up to 6,
-    then about every 30% more (a verification's cost grows smoothly with its rows there)."""
-    counts = {*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int).tolist()}
-    return sorted(k for k in counts if k <= most)
-
-
-def measure_in_decoding(
-    model: Transformer,
-    states: Tensor,
-    context: int,
-    cycles: int = IN_DECODING_CYCLES,
-    budget_s: float = IN_DECODING_BUDGET_S,
-    bar: tqdm | None = None,
-) -> tuple[list[float], list[float]]:
-    """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
-    decoding meets them, in plain steps: their own time, and what they add to the
-    `LINGER_STEPS` plain steps after them. A block is a plain step, the round, then those
-    steps; each round's block follows a block whose round is a plain step, and what the round
-    adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
-    them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
-    2 rows read 1.12 plain steps where decoding took 1.25-1.3), fitted as one slope per row
-    beyond the first. Medians over cycles of
-    shuffled turns, after an untimed one, at the row counts of `row_counts` (in between by
-    interpolation): up to `cycles` timed cycles, as many as `budget_s` holds at the untimed
-    cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits
-    for fewer). `states`: the rows' inputs, run at positions `context`.. of the model's cache.
-    `bar` advances a cycle at a time."""
-    layers, most = model.num_layers, len(states)
-    counts = row_counts(most)
-
-    def run(rows: int) -> float:
-        start = time.perf_counter()
-        model.head(model.run_layers(states[:rows], context, 0, layers))
-        synchronize(model.device)
-        return time.perf_counter() - start
-
-    def block(rows: int) -> tuple[float, float]:
-        """A plain step, `rows` rows, `LINGER_STEPS` plain steps: the round's and the steps'
-        seconds."""
-        run(1)
-        round_s = run(rows)
-        return round_s, sum(run(1) for _ in range(LINGER_STEPS))
-
-    own: dict[int, list[float]] = {k: [] for k in counts}
-    added: dict[int, list[float]] = {k: [] for k in counts}
-    order = list(counts)
-    shuffle = random.Random(0).shuffle
-    cycle, start = 0, time.perf_counter()
-    while cycle <= cycles:
-        shuffle(order)
-        for k in order:
-            _, reference = block(1)
-            seconds, steps = block(k)
-            if cycle:
-                own[k].append(seconds)
-                added[k].append(steps - reference)
-        if not cycle:  # the untimed cycle: how many timed ones the budget holds
-            pace = time.perf_counter() - start
-            cycles = min(cycles, max(IN_DECODING_MIN_CYCLES, int(budget_s / pace)))
-            if bar is not None:
-                bar.total = bar.n + cycles + 2  # these, and the draft heads after them
-        if bar is not None:
-            bar.update()
-        cycle += 1
-    plain = statistics.median(own[1])
-    own_k = [statistics.median(own[k]) / plain for k in counts]
-    every = np.arange(1, most + 1)
-    rows = np.maximum.accumulate(np.interp(every, counts, own_k))
-    added_k = [statistics.median(added[k]) / plain for k in counts]
-    return rows.tolist(), lingering_line(counts, added_k, most)
-
-
-def lingering_line(counts: list[int], added: list[float], most: int) -> list[float]:
-    """What rounds of 1..`most` rows leave to the plain steps after them (in plain steps), from
-    the medians `added` measured at row `counts`: one slope per row beyond the first through
-    all of them, none below 0. What a round leaves grows with its rows, and each median is
-    noisy: on a busy Intel Xeon a plain step's block read 0.1-0.6 steps from its reference's,
-    and the other counts 0-0.4 steps in no order, where the largest median so far from each
-    count on (the estimate before) priced every round of 2 or 3 rows and more at that noise."""
-    extra = np.asarray(counts, dtype=np.float64) - 1
-    total = float(extra @ extra)
-    slope = max(float(extra @ np.asarray(added)) / total, 0.0) if total else 0.0
-    return (slope * np.arange(most)).tolist()
-
-
-def measure_draft_heads(
-    exit_head: ExitHead, exit_layer: int, rounds: int = DRAFT_HEAD_ROUNDS
-) -> tuple[list[float], bool]:
-    """Seconds of one draft row through each of `exit_head`'s vocabulary levels as drafts run
-    it, right after a pass over the layers (a head timed alone keeps its rows in the caches and
-    looks several times cheaper than it is between layers): `rounds` rounds of a pass alone and
-    a pass with each level's head, in turns, after an untimed one, priced by `head_costs`. Also
-    whether the rounds' two halves agree."""
-    model = exit_head.model
-    layers, int8 = model.num_layers, exit_head.int8
-    with model.scratch_cache(1), torch.inference_mode():
-        one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
-
-        def run_layers() -> Tensor:
-            return model.run_layers(one, 0, 0, layers, None, int8)
-
-        levels = range(len(exit_head.vocabs))
-        runs = [run_layers, *(lambda v=v: exit_head(run_layers(), exit_layer, v) for v in levels)]
-        samples = []
-        for timed in range(rounds + 1):
-            times = []
-            for run in runs:
-                synchronize(model.device)
-                start = time.perf_counter()
-                run()
-                synchronize(model.device)
-                times.append(time.perf_counter() - start)
-            if timed:
-                samples.append(times)
-    return head_costs(samples)
-
-
-def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[list[float], bool]:
-    """Each vocabulary level's seconds from rounds of timings (`samples[i]`: a pass alone, then
-    a pass with each level's head): the median over the rounds of its pass less the same
-    round's pass alone (a busy moment of the machine falls on both: the fastest of each, taken
-    apart, priced SmolLM2's 16k-token draft head at 0.43 of the full head on one run and 0.66 on
-    the next on a busy Intel Xeon, and a run that looks too dear never drafts to correct it),
-    never below a smaller level's. Also whether the two halves of the rounds give medians within
-    `tolerance` of each other (False: a busy machine; the profile is taken again sooner)."""
-    added = np.array([[t - row[0] for t in row[1:]] for row in samples])
-
-    def medians(part: np.ndarray) -> np.ndarray:
-        return np.maximum.accumulate(np.maximum(np.median(part, 0), 0.0))
-
-    half = len(samples) // 2
-    first, second = medians(added[:half]), medians(added[half:])
-    agree = all(max(a, b) <= tolerance * min(a, b) for a, b in zip(first, second, strict=True))
-    return medians(added).tolist(), bool(agree)
-
-
-def cached_profile(
-    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
-) -> CostProfile:
-    """The profile for this model and setting from `directory`, measured again when missing,
-    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens. Draft
-    head timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one
-    is measured and added."""
-    path = directory / f"profile-{profile_key(exit_head)}.json"
-    vocab = ",".join(map(str, exit_head.vocab_sizes))
-    stored = _read_profile(path, max_tokens)
-    if stored is None:
-        print(
-            f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
-            f"{directory})",
-            file=sys.stderr,
-        )
-        profile = measure_profile(exit_head, exit_layer, max_tokens)
-        profile.path = str(path)
-        _write_profile(path, profile, {vocab: profile.draft_head})
-        return profile
-    profile, draft_heads = stored
-    profile.path = str(path)
-    if vocab in draft_heads:
-        profile.draft_head = draft_heads[vocab]
-    else:
-        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer)
-        draft_heads[vocab] = profile.draft_head
-        profile.settled = profile.settled and settled  # an unsettled profile stays so
-        _write_profile(path, profile, draft_heads)
-    return profile
-
-
-def _parse_profile(path: Path) -> tuple[CostProfile, dict[str, list[float]]] | None:
-    """The profile stored at `path` (without draft head timings) and its draft heads' timings
-    per vocabulary; None when missing or unreadable."""
-    try:
-        stored = json.loads(path.read_text())
-        draft_heads = dict(stored.pop("draft_heads"))
-        return CostProfile(**stored, draft_head=[]), draft_heads
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-
-
-def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
-    """`_parse_profile`, or None when of another version, older than a week (an hour when not
-    settled), or for fewer tokens."""
-    stored = _parse_profile(path)
-    if stored is None:
-        return None
-    profile, draft_heads = stored
-    age = MEASURED_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
-    fresh = time.time() - profile.measured_at < age
-    if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
-        return profile, draft_heads
-    return None
-
-
-def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
-    """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
-    stored = {k: v for k, v in asdict(profile).items() if k not in ("draft_head", "path")}
-    text = json.dumps({**stored, "draft_heads": draft_heads})
-    write_atomically(path, lambda scratch: scratch.write_text(text))
-
-
-def store_correction(path: str | Path, factor: float) -> None:
-    """Scale every timing of the profile stored at `path` by `factor` (every vocabulary's draft
-    head too), keeping when it was measured, so that the next process starts from timings the
-    rounds agreed with (a missing or unreadable file is left alone)."""
-    stored = _parse_profile(Path(path))
-    if stored is None:
-        return
-    profile, draft_heads = stored
-    profile.scale(factor)
-    scaled = {vocab: [t * factor for t in times] for vocab, times in draft_heads.items()}
-    _write_profile(Path(path), profile, scaled)
-
-
-def mark_stale(path: str | Path) -> None:
-    """Mark the profile stored at `path` stale (unsettled, measured at time 0), so that the next
-    run measures it again (a missing or unreadable file is left alone)."""
-    try:
-        stored = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return
-    text = json.dumps({**stored, "settled": False, "measured_at": 0.0})
-    write_atomically(Path(path), lambda scratch: scratch.write_text(text))
-
-
 class CostCheck:
     """Compares the seconds a `MeasuredCost` predicts for each round with the seconds the round
     took, and corrects the profile when they disagree for a sustained stretch, or when rounds
@@ -756,7 +328,7 @@ class CostCheck:
     it prices the next process's plain steps too (on SmolLM2, one process whose drafting rounds
     ran 1.44x the profile before any plain steps were compared stored x1.44 for every timing,
     and the processes after it chose differently from the same prompts). Each correction is
-    logged (logger `delspec.policies.costs`, level INFO: not printed into a streamed answer).
+    logged (logger `delspec.policies.cost_model`, level INFO: not printed into a streamed answer).
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
     they verify: a decayed mean (by `row_decay` per such round) of the log of actual /
