@@ -33,7 +33,7 @@ VERSION = "1"
 SUFFIX = ".adapters.safetensors"
 _PROBE_ROWS = 16  # embedding (and untied LM head) rows kept in the fingerprint
 # Relative difference of fingerprint weights still taken as the same model: bfloat16 or float16
-# copies of one checkpoint differ by < 0.4%, another checkpoint or quantisation by far more.
+# copies of one checkpoint differ by far less, another checkpoint or quantisation by far more.
 _PROBE_TOLERANCE = 1e-2
 # Model config fields a file must match, with how a mismatch names them.
 _IDENTITY = {

@@ -12,8 +12,8 @@ fitted to the final layer in two stages:
    next-token distribution truncated to its `TEACHER_TOP` most likely tokens (the KL divergence
    up to a constant), over the student's full vocabulary.
 
-On SmolLM2-135M the closed form alone matches ~150 Adam steps from a zero adapter, at 1/40 of the
-time, and the few Adam steps after it improve on both. Every sixth sequence is held out; per-layer
+The closed form alone matches many Adam steps from a zero adapter, at a fraction of the time,
+and the few Adam steps after it improve on both. Every sixth sequence is held out; per-layer
 top-1 agreement with the final layer and the full KL divergence on those, before and after, are
 recorded. The final layer's tokens over all sequences give the token-frequency ranking for pruned
 draft heads.

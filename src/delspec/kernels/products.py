@@ -9,8 +9,8 @@ machine and each `Linear` keeps the winner per row bucket (`row_bucket`). Candid
   their matrix-vector kernel; `packed`, through a copy of the weight prepacked by oneDNN (whose
   cost barely grows with the row count; doubles the layer's float memory while kept);
 - block weights (`BLOCK_KERNELS`): the compiled GGUF block kernel only, at every size (its rows
-  are exact whatever their number; dequantising for long products measured faster at 128 rows,
-  but a verification of a long draft would then differ from plain steps).
+  are exact whatever their number; dequantising for long products can be faster, but a
+  verification of a long draft would then differ from plain steps).
 
 `Int8Weight` is the int8 copy of a float weight that drafts may run on.
 """

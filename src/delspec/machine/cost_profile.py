@@ -263,15 +263,14 @@ def measure_in_decoding(
     decoding meets them, in plain steps: their own time, and what they add to the
     `LINGER_STEPS` plain steps after them. A block is a plain step, the round, then those
     steps; each round's block follows a block whose round is a plain step, and what the round
-    adds is the difference of the two blocks' last steps (on an Intel Xeon, 19 rows slowed
-    them by about a step in all, 9 rows by half a step; timed in a loop of their own shapes,
-    2 rows read 1.12 plain steps where decoding took 1.25-1.3), fitted as one slope per row
-    beyond the first. Medians over cycles of
-    shuffled turns, after an untimed one, at the row counts of `row_counts` (in between by
-    interpolation): up to `cycles` timed cycles, as many as `budget_s` holds at the untimed
-    cycle's pace but no fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits
-    for fewer). `states`: the rows' inputs, run at positions `context`.. of the model's cache.
-    `bar` advances a cycle at a time."""
+    adds is the difference of the two blocks' last steps (a long verification slows the steps
+    after it; timed in a loop of their own shapes, a few rows read cheaper than decoding meets
+    them), fitted as one slope per row beyond the first. Medians over cycles of shuffled turns,
+    after an untimed one, at the row counts of `row_counts` (in between by interpolation): up
+    to `cycles` timed cycles, as many as `budget_s` holds at the untimed cycle's pace but no
+    fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits for fewer). `states`:
+    the rows' inputs, run at positions `context`.. of the model's cache. `bar` advances a cycle
+    at a time."""
     layers, most = model.num_layers, len(states)
     counts = row_counts(most)
 
@@ -321,9 +320,8 @@ def lingering_line(counts: list[int], added: list[float], most: int) -> list[flo
     """What rounds of 1..`most` rows leave to the plain steps after them (in plain steps), from
     the medians `added` measured at row `counts`: one slope per row beyond the first through
     all of them, none below 0. What a round leaves grows with its rows, and each median is
-    noisy: on a busy Intel Xeon a plain step's block read 0.1-0.6 steps from its reference's,
-    and the other counts 0-0.4 steps in no order, where the largest median so far from each
-    count on (the estimate before) priced every round of 2 or 3 rows and more at that noise."""
+    noisy (on a busy machine, in no order across the counts), where the largest median so far
+    from each count on would price every round of a few rows and more at that noise."""
     extra = np.asarray(counts, dtype=np.float64) - 1
     total = float(extra @ extra)
     slope = max(float(extra @ np.asarray(added)) / total, 0.0) if total else 0.0
@@ -366,8 +364,8 @@ def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[lis
     """Each vocabulary level's seconds from rounds of timings (`samples[i]`: a pass alone, then
     a pass with each level's head): the median over the rounds of its pass less the same
     round's pass alone (a busy moment of the machine falls on both: the fastest of each, taken
-    apart, priced SmolLM2's 16k-token draft head at 0.43 of the full head on one run and 0.66 on
-    the next on a busy Intel Xeon, and a run that looks too dear never drafts to correct it),
+    apart, can price a pruned draft head at very different shares of the full head from one run
+    to the next on a busy machine, and a run that looks too dear never drafts to correct it),
     never below a smaller level's. Also whether the two halves of the rounds give medians within
     `tolerance` of each other (False: a busy machine; the profile is taken again sooner)."""
     added = np.array([[t - row[0] for t in row[1:]] for row in samples])

@@ -42,7 +42,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         # left uninitialised (build_model loads or initialises it): nn.Embedding's own random
-        # init, on the meta device build_model makes it on, imports torch._dynamo (1-2 s)
+        # init, on the meta device build_model makes it on, imports torch._dynamo (slow)
         shape = (config.vocab_size, config.hidden_size)
         self.embedding = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(

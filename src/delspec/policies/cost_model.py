@@ -50,9 +50,9 @@ class MeasuredCost:
 
     That work is kept apart for rounds that draft from an exit layer (`layer_overhead`) and
     the others (`overhead`): counting a layer's drafts and choosing the plan again cost several
-    times a plain step's bookkeeping (0.6-0.9 ms against 0.05-0.15 ms on SmolLM2), a good share
-    of what a one-token layer draft saves, and one figure for both made layer drafts look
-    cheaper and plain steps dearer than they are.
+    times a plain step's bookkeeping, a good share of what a one-token layer draft saves, and
+    one figure for both would make layer drafts look cheaper and plain steps dearer than they
+    are.
 
     Drafting d tokens with exit layer l and vocabulary level v costs
     d * (l * draft_layer + draft_head[v]). Verification
@@ -260,9 +260,8 @@ class MeasuredCost:
         """Rounds verifying `rows` positions take `factor` times what the profile says: scale
         their timings, bring fewer rows (but one) that would now cost more down to them, and
         predict from that (`rescaled`, which keeps more rows no cheaper than fewer). Lowered
-        alone, a count was raised back to its uncorrected neighbour's cost: on an Intel Xeon
-        whose host was busy, rounds of 7 rows were corrected by x0.79-0.85 five times in one
-        process, and their cost stayed where it was."""
+        alone, a count would be raised back to its uncorrected neighbour's cost, corrected again
+        and again while its cost stayed where it was."""
         self.profile.scale_rows(rows, factor)
         corrected = self._total(rows)
         for fewer in range(2, min(rows, len(self.profile.layer) + 1)):
@@ -312,22 +311,20 @@ class CostCheck:
     timed); for drafting rounds, the timings of drafting from a layer, or all of them while no
     window of plain steps has confirmed (or corrected) theirs. Once one has, rounds of context
     drafts alone are left to the check of their rows below: with them in the window, and the
-    rows' timings scaled with the drafts', rounds of drafts from SmolLM2's final layer that ran
-    0.6-0.7x their prediction priced verifying 2-5 rows at a plain step's cost (Intel Xeon),
-    and every context draft looked free. The window then starts afresh. A factor beyond
+    rows' timings scaled with the drafts', drafts from a final layer that ran well under their
+    prediction would price verifying a few rows at a plain step's cost, and every context draft
+    would look free. The window then starts afresh. A factor beyond
     `extreme` (or its inverse) also marks the profile's file stale, so that the next run
     measures it again; any other correction from plain steps is stored in the file
-    (`store_correction`), so that the next process starts from it (an AMD EPYC's profile, timed
-    in a loop, read a third too fast for the rounds of every process, each correcting it
-    anew): once the next full window of plain steps agrees with the corrected profile, the
-    square root of the corrections made since the last store (a stretch that one window saw
-    and the next did not leaves nothing; the next process starts halfway, in log terms, and
-    corrects the rest if it holds: stored whole, three processes in a row on an Intel Xeon
-    stored x1.56, x0.62 and x1.51, each undoing the one before). One from drafting rounds is
-    not stored: how far drafting rounds are off follows what the process drafted, and stored,
-    it prices the next process's plain steps too (on SmolLM2, one process whose drafting rounds
-    ran 1.44x the profile before any plain steps were compared stored x1.44 for every timing,
-    and the processes after it chose differently from the same prompts). Each correction is
+    (`store_correction`), so that the next process starts from it (a profile timed in a loop
+    can read too fast for the rounds of every process, each correcting it anew): once the next
+    full window of plain steps agrees with the corrected profile, the square root of the
+    corrections made since the last store (a stretch that one window saw and the next did not
+    leaves nothing; the next process starts halfway, in log terms, and corrects the rest if it
+    holds: stored whole, processes in a row can each undo the one before). One from drafting
+    rounds is not stored: how far drafting rounds are off follows what the process drafted,
+    and stored, it would price the next process's plain steps too, and the processes after it
+    would choose differently from the same prompts. Each correction is
     logged (logger `delspec.policies.cost_model`, level INFO: not printed into a streamed answer).
 
     Rounds without layer drafts (plain steps, context drafts alone) are also kept by the rows
@@ -338,11 +335,10 @@ class CostCheck:
     steps' and beyond `NOISE_ERRORS` standard errors of their difference, the timings of k rows
     are scaled by the quotient (`MeasuredCost.correct_rows`) and k's mean starts afresh.
     Relative to plain steps timed in the same stretch, the machine's drift cancels out: what is
-    left is what the profile got wrong about several rows (a cheap 2-3 rows lets context
-    drafts through that cannot pay; on an AMD EPYC a profile timed in a loop was right within
-    3-8% at every row count, and this stays quiet). On a busy host single rounds scatter by
-    ~15% (the standard deviation of their log ratios, Intel Xeon), and with the tolerance alone
-    4 and 8 rows were corrected by x0.77-0.86 and then x1.15-1.25 in one process.
+    left is what the profile got wrong about several rows (a few rows priced too cheap let
+    context drafts through that cannot pay; where the profile is right, this stays quiet). On
+    a busy host single rounds scatter widely, and with the tolerance alone row counts would be
+    corrected one way and then back the other in one process.
     """
 
     def __init__(

@@ -81,8 +81,8 @@ def create_app(
         max_body_mb,
         prefill_chunk,
     )
-    # the decoding's cost profile read, or measured, now: inside the first request it held that
-    # request and every one queued behind it (12 s for SmolLM2 on a busy 2-core Xeon)
+    # the decoding's cost profile read, or measured, now: inside the first request it would
+    # hold that request and every one queued behind it
     make_policy(config, lm.model.num_layers).start(draft_head(lm, config))
     # a batched step's seconds by row count: what batches and their context drafts cost here
     batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}

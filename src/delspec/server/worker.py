@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Prompt rows prefilled between two steps of the running jobs (fewer further on in a prompt:
-# `delspec.decoding.prefill.chunk_rows`): ~0.1 s of SmolLM2 on 2 cores, no slower in all than
-# one pass.
+# `delspec.decoding.prefill.chunk_rows`): short enough that the running jobs' steps are not
+# held up long, long enough that prefilling in chunks is no slower in all than one pass.
 DEFAULT_PREFILL_CHUNK = 128
 
 

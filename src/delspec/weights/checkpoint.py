@@ -59,7 +59,7 @@ def build_model(
 def _materialise(model: nn.Module, dtype: torch.dtype, device: str | torch.device) -> None:
     """Give each of `model`'s meta parameters uninitialised memory of `dtype` on `device`: what
     `to_empty(device=device).to(dtype)` does, without the meta path of `empty_like`, whose first
-    use imports sympy (0.3-0.4 s of a load)."""
+    use imports sympy (a noticeable share of a load)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             value = torch.empty(param.shape, dtype=dtype, device=device)
