@@ -11,7 +11,7 @@ import sys
 from importlib.metadata import version
 
 import pytest
-from test_generate import CUT_OFF_PROMPTS
+from helpers import CUT_OFF_PROMPTS
 
 import delspec.weights.loading
 from delspec.cli import build_parser, main

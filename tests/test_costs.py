@@ -11,13 +11,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import profile
 from tiny_models import tiny_model
 from tqdm import tqdm
 
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
 from delspec.machine import cost_profile
-from delspec.machine.cost_profile import CostProfile, cached_profile
+from delspec.machine.cost_profile import cached_profile
 from delspec.policies.cost_model import CostCheck, LayerCost, MeasuredCost
 from delspec.policies.exit_statistics import best_plan, expected_tokens
 from delspec.policies.protocol import Round
@@ -25,19 +26,6 @@ from delspec.policies.protocol import Round
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
 LENGTHS = torch.arange(0, 6)
-
-
-def profile(layer, head, draft_head=0.001, draft_layer=None, int8=False):
-    """A hand-made profile; `draft_head`: seconds per draft row, one level or a list of them."""
-    return CostProfile(
-        layer=layer,
-        head=head,
-        draft_layer=layer[0] if draft_layer is None else draft_layer,
-        draft_head=[draft_head] if isinstance(draft_head, float) else list(draft_head),
-        int8=int8,
-        key="test",
-        measured_at=0,
-    )
 
 
 def choose(alpha, cost):

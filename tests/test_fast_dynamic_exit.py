@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_costs import profile
+from helpers import profile
 from tiny_models import tiny_model
 
 from delspec.decoding.sequence import decode_tokens

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import CHAT, TEXT, TIMEOUT, tiny_lm
+from helpers import CHAT, TEXT, TIMEOUT, tiny_lm
 
 import delspec.weights.loading
 from delspec.cli import main

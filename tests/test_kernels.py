@@ -363,6 +363,7 @@ def test_malformed_blocks_are_refused():
         BlockWeight.from_blocks(T.IQ4_NL, raw, 64)
 
 
+@pytest.mark.slow
 def test_fallback_is_announced_and_used(tmp_path):
     """Without the compiled kernels a GGUF model loads in float (said once); asking for native
     weights is a clear error, not a traceback."""

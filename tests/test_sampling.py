@@ -10,9 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from helpers import POLICIES, AtLevel, Scripted
 from scipy.stats import chisquare
-from test_context_drafts import Scripted
-from test_lossless import POLICIES, AtLevel
 from tiny_models import tiny_model
 
 from delspec.decoding import sampling as sampling_module

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from helpers import CHAT, TEXT, TIMEOUT, answer
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
-from test_server import CHAT, TEXT, TIMEOUT, answer
 
 from delspec.cli import main
 from delspec.decoding.generate import generate
