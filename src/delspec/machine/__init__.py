@@ -1,1 +1,2 @@
-"""What is measured on this machine: kernel choices and timing."""
+"""What is measured on this machine, once per setting and cached: kernel choices, the decode
+cost profile, what batched rows cost, and the timing they are all taken with."""
