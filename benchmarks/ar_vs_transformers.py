@@ -17,7 +17,7 @@ import torch
 
 from delspec import load_model
 from delspec.bench.backends import load_transformers_model
-from delspec.decoding import decode_tokens
+from delspec.decoding.sequence import decode_tokens
 from delspec.policies import make_policy
 
 PROMPTS = [

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 from delspec import load_model
-from delspec.batch_drafts import BatchDrafts
 from delspec.bench.tasks import load_task
-from delspec.decoding import Decoding, measured_batch_seconds, start_together, step_together
+from delspec.decoding.batch import start_together, step_together
+from delspec.decoding.sequence import Decoding
+from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.kernels.build import cpu_name
+from delspec.machine.batching import measured_batch_seconds
 from delspec.policies import make_policy
 
 TASKS = ("humaneval", "gsm8k", "summarization", "continuation", "mtbench")

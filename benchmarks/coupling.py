@@ -23,7 +23,7 @@ import torch
 
 from delspec import Sampling, generate, load_model
 from delspec.bench.environment import cpu_name
-from delspec.generate import encode_prompt
+from delspec.decoding.generate import encode_prompt
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import delspec
-from delspec.generate import encode_prompt
+from delspec.decoding.generate import encode_prompt
 from delspec.policies import STRATEGIES
 
 PROMPTS = [

@@ -42,13 +42,13 @@ import torch
 from delspec import load_model
 from delspec.bench.environment import read_bandwidth, run_environment
 from delspec.bench.tasks import TASKS, load_task
-from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, ContextIndex
 from delspec.decode_config import STRATEGIES, DecodeConfig
-from delspec.draft_head import draft_head
-from delspec.engine import Engine
-from delspec.generate import generate
-from delspec.policies.fast_dynamic_exit import MATCH_CLASSES, _ContextScore
-from delspec.sampling import Sampling
+from delspec.decoding.engine import Engine
+from delspec.decoding.generate import generate
+from delspec.decoding.sampling import Sampling
+from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, ContextIndex
+from delspec.drafting.draft_head import draft_head
+from delspec.policies.fast_state import MATCH_CLASSES, ContextScore
 
 RESULTS = Path(__file__).parent / "results" / "headroom"
 FINAL_DRAFTS = 4  # the most final-layer drafts a round of the bounds makes
@@ -148,7 +148,7 @@ def known_rates(reply, proposals, held, context, final, rates, alpha) -> float:
         value, choice = 1.0, ("plain", 0)
         tokens = proposals[i].tokens[: len(context) - 1]
         if tokens:
-            first, then = rates[_ContextScore.match_class(proposals[i].match_length)]
+            first, then = rates[ContextScore.match_class(proposals[i].match_length)]
             expected, chance = 1.0, first
             for k in range(1, len(tokens) + 1):
                 expected, chance = expected + chance, chance * then
@@ -177,7 +177,7 @@ def class_rates(replays) -> dict[int, tuple[float, float]]:
         for i, proposal in enumerate(proposals):
             if proposal.tokens:
                 c, a = (
-                    counts[_ContextScore.match_class(proposal.match_length)],
+                    counts[ContextScore.match_class(proposal.match_length)],
                     accepted(reply, i, proposal.tokens),
                 )
                 c[0], c[1] = c[0] + 1, c[1] + (a > 0)

@@ -135,9 +135,9 @@ def run_delspec(path: str, prompt: list[int], new_tokens: int, threads: int) -> 
     kernel choices are made then)."""
     import torch
 
-    from delspec.decoding import decode_tokens
-    from delspec.loading import load_model
+    from delspec.decoding.sequence import decode_tokens
     from delspec.policies import make_policy
+    from delspec.weights.loading import load_model
 
     torch.set_num_threads(threads)
     start = time.perf_counter()

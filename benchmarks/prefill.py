@@ -20,7 +20,7 @@ import torch
 
 from delspec import load_model
 from delspec.bench.environment import run_environment
-from delspec.generate import generate
+from delspec.decoding.generate import generate
 
 RESULTS = Path(__file__).parent / "results" / "prefill"
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from delspec import load_model
 from delspec.kernels.build import cpu_name
 from delspec.kernels.layers import STEPS
-from delspec.timing import median_seconds
+from delspec.machine.timing import median_seconds
 
 
 def step_seconds(model, ids: torch.Tensor, position: int, repeats: int) -> float:

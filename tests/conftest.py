@@ -1,14 +1,24 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the `slow` mark on every test that loads a real model through them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from delspec.loading import LoadedModel, load_model
+from delspec.weights.loading import LoadedModel, load_model
 
 # Tiny test models are dominated by per-op overhead, where a second thread only adds contention.
 torch.set_num_threads(1)
+
+# Fixtures that load a real model (SmolLM2's GGUF file): the tests that use them are `slow`
+# (tests that load one otherwise carry the mark themselves). CI runs them all.
+REAL_MODEL_FIXTURES = {"smollm2", "smollm2_float", "smollm2_tensors"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

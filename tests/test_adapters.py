@@ -10,18 +10,23 @@ import pytest
 import torch
 from tiny_models import save_hf_dir, tiny_model
 
-from delspec.adapters import ExitAdapters, default_adapters_path, load_adapters, save_adapters
-from delspec.calibration import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
-from delspec.decoding import decode_tokens
-from delspec.draft_head import DraftHead, draft_head
-from delspec.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
-from delspec.engine import ExitHead
+from delspec.decoding.sampling import Sampling
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.adapters import (
+    ExitAdapters,
+    default_adapters_path,
+    load_adapters,
+    save_adapters,
+)
+from delspec.drafting.calibration import fit_adapters, read_prompts
+from delspec.drafting.draft_head import DraftHead, draft_head
+from delspec.drafting.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.loading import LoadedModel
 from delspec.policies import STRATEGIES, make_policy
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel
 
 OPTIONS = {
     "static": dict(exit_layer=2, draft_length=4),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from delspec.batch_drafts import BatchDrafts
+from delspec.drafting.batch_drafts import BatchDrafts
 
 # a CPU-like batched step: rows nearly free up to 8, then about linear
 CHEAP_ROWS = {1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 16: 2.2, 32: 4.4}

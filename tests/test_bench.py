@@ -31,9 +31,9 @@ from delspec.bench.runner import MAX_REPEATS_FACTOR
 from delspec.bench.tasks import TASKS, load_task
 from delspec.cli import main
 from delspec.errors import ConfigError
-from delspec.gguf_file import GGUFFile
-from delspec.loading import load_model
-from delspec.named_models import default_model_path
+from delspec.weights.gguf_file import GGUFFile
+from delspec.weights.loading import load_model
+from delspec.weights.named_models import default_model_path
 
 LAYERS = 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

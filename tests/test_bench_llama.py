@@ -15,8 +15,8 @@ from delspec.bench.prompt_sets import select_prompts
 from delspec.bench.report import markdown
 from delspec.bench.runner import run_bench
 from delspec.errors import ConfigError
-from delspec.loading import LoadedModel
-from delspec.named_models import default_model_path
+from delspec.weights.loading import LoadedModel
+from delspec.weights.named_models import default_model_path
 
 NO_LLAMA = "llama-cpp-python is not installed (make install-llama)"
 # A prompt whose greedy continuation is decided (top-2 logit gaps >= 3 in both libraries).

@@ -11,9 +11,9 @@ import sys
 from importlib.metadata import version
 
 import pytest
-from test_generate import CUT_OFF_PROMPTS
+from helpers import CUT_OFF_PROMPTS
 
-import delspec.loading
+import delspec.weights.loading
 from delspec.cli import build_parser, main
 from delspec.decode_config import DEFAULT_STRATEGY
 
@@ -83,7 +83,7 @@ def test_sampling_controls_from_the_command_line_give_generate_s_tokens(smollm2,
     """The controls' flags are `Sampling`'s fields; the seeded output is the same whatever
     the strategy."""
     from delspec import generate
-    from delspec.sampling import Sampling
+    from delspec.decoding.sampling import Sampling
 
     controls = dict(
         temperature=0.9, top_p=0.95, seed=4, min_p=0.05, frequency_penalty=0.7,
@@ -177,7 +177,7 @@ def test_the_exit_layer_is_checked_before_the_model_loads(smollm2, capsys, monke
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(delspec.loading, "load_model", no_load)
+    monkeypatch.setattr(delspec.weights.loading, "load_model", no_load)
     argv = ["generate", "x", "--strategy", "static", "--exit-layer", "999"]
     assert main(argv) == 2
     assert "exit layer must be in 1..30" in capsys.readouterr().err
@@ -190,7 +190,7 @@ def no_model(monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(delspec.loading, "load_model", no_load)
+    monkeypatch.setattr(delspec.weights.loading, "load_model", no_load)
 
 
 @pytest.mark.parametrize(

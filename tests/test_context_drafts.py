@@ -8,18 +8,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_costs import profile
-from test_lossless import run
+from helpers import Scripted, profile, run
 from tiny_models import tiny_model
 
-from delspec.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
-from delspec.costs import MeasuredCost
-from delspec.decode_config import StaticOptions
-from delspec.decoding import Decoding, decode_tokens
-from delspec.engine import ExitHead, Round
+from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 from delspec.policies import Plan, make_policy
-from delspec.policies.fixed import Static
+from delspec.policies.cost_model import MeasuredCost
+from delspec.policies.protocol import Round
 
 
 def reference_proposal(tokens, limit, min_ngram, max_ngram, after=()):
@@ -105,50 +103,6 @@ def test_bad_orders_are_refused():
         make_policy("lookup", 6, exit_layer=2)
     with pytest.raises(ConfigError, match="context_drafts needs cost"):
         make_policy("del", 6, context_drafts=True)
-
-
-class Scripted(Static):
-    """Drafts `context` tokens from a script of what the model will say (corrupted from token
-    `correct(round)` on), then up to 3 exit-layer drafts from `exit_layer` (0: none), then
-    `after` more script tokens (corrupted the same way) once the exit layer has drafted
-    `switch_at` tokens (None: after its last). Its proposals come from the script, not from
-    the sequence's own index."""
-
-    context_ngrams = (1, 1)
-    context_limit = 32
-
-    def __init__(
-        self, num_layers, script, context, correct, exit_layer, vocab=64, after=0, switch_at=None
-    ):
-        super().__init__(num_layers, StaticOptions(max(exit_layer, 1), 3))
-        self.script, self.context, self.correct, self.vocab = script, context, correct, vocab
-        self.layer_drafts = 3 if exit_layer else 0
-        self.after, self.switch_at = after, switch_at
-
-    def start(self, exit_head):
-        self.generated, self.round = 0, 0
-
-    def plan(self, proposal=NO_PROPOSAL):
-        self.round += 1
-        return Plan(self.exit_layer, self.layer_drafts, context=self._script(0, self.context))
-
-    def follow(self, proposal, layer_drafts, last):
-        if not self.after or not (
-            last if self.switch_at is None else layer_drafts == self.switch_at
-        ):
-            return []
-        return list(self._script(self.context + layer_drafts, self.after))
-
-    def _script(self, offset, count):
-        """`count` script tokens from `offset` tokens into the round, corrupted as planned."""
-        start = self.generated + offset
-        tokens = list(self.script[start : start + count])
-        cut = self.correct(self.round)
-        tokens[cut:] = [(t + 1) % self.vocab for t in tokens[cut:]]
-        return tuple(tokens)
-
-    def observe(self, record):
-        self.generated += len(record.tokens)
 
 
 LAYERS = 6  # tiny_model's

@@ -11,31 +11,21 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import profile
 from tiny_models import tiny_model
 from tqdm import tqdm
 
-from delspec import costs
-from delspec.costs import CostCheck, CostProfile, LayerCost, MeasuredCost, cached_profile
-from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import best_plan, expected_tokens
+from delspec.drafting.draft_head import DraftHead
+from delspec.drafting.exit_head import ExitHead
+from delspec.machine import cost_profile
+from delspec.machine.cost_profile import cached_profile
+from delspec.policies.cost_model import CostCheck, LayerCost, MeasuredCost
+from delspec.policies.exit_statistics import best_plan, expected_tokens
+from delspec.policies.protocol import Round
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
 LENGTHS = torch.arange(0, 6)
-
-
-def profile(layer, head, draft_head=0.001, draft_layer=None, int8=False):
-    """A hand-made profile; `draft_head`: seconds per draft row, one level or a list of them."""
-    return CostProfile(
-        layer=layer,
-        head=head,
-        draft_layer=layer[0] if draft_layer is None else draft_layer,
-        draft_head=[draft_head] if isinstance(draft_head, float) else list(draft_head),
-        int8=int8,
-        key="test",
-        measured_at=0,
-    )
 
 
 def choose(alpha, cost):
@@ -245,9 +235,9 @@ def test_a_profile_is_timed_from_the_most_rows_down_and_takes_rows_as_decoding_m
         return seconds, True
 
     in_steps, lingering = [1.0, 1.6, 2.2, 2.8], [0.0, 0.1, 0.2, 0.4]
-    monkeypatch.setattr(costs, "settled_seconds", timings)
-    monkeypatch.setattr(costs, "measure_in_decoding", lambda *a, **k: (in_steps, lingering))
-    measured = costs.measure_profile(ExitHead(model), 2, 4, context=8, far=16)
+    monkeypatch.setattr(cost_profile, "settled_seconds", timings)
+    monkeypatch.setattr(cost_profile, "measure_in_decoding", lambda *a, **k: (in_steps, lingering))
+    measured = cost_profile.measure_profile(ExitHead(model), 2, 4, context=8, far=16)
     (rows,) = orders
     assert rows == sorted(rows, reverse=True) and rows[0] == 4 and rows[-1] == 1
     totals = [layers * t + h for t, h in zip(measured.layer, measured.head, strict=True)]
@@ -273,20 +263,22 @@ def test_a_profile_times_a_sample_of_row_counts_and_interpolates_between(monkeyp
             return 0.15 if key == "step" else 0.1
         return {"layer": 0.1, "head": 0.02}[key[0]] * key[-1]
 
-    monkeypatch.setattr(costs, "settled_seconds", timings)
+    monkeypatch.setattr(cost_profile, "settled_seconds", timings)
     in_steps = [float(k) for k in range(1, 13)]  # k rows cost k plain steps in decoding
-    monkeypatch.setattr(costs, "measure_in_decoding", lambda *a, **k: (in_steps, [0.0] * 12))
-    measured = costs.measure_profile(ExitHead(model), 2, 12, context=8, far=16)
+    monkeypatch.setattr(cost_profile, "measure_in_decoding", lambda *a, **k: (in_steps, [0.0] * 12))
+    measured = cost_profile.measure_profile(ExitHead(model), 2, 12, context=8, far=16)
     near = {key[-1] for key in timed if key[:2] == ("layer", 8)}
     heads = {key[-1] for key in timed if key[0] == "head"}
-    assert near == heads == set(costs.row_counts(12)) | {1, 6, 12} and 11 not in near
+    assert near == heads == set(cost_profile.row_counts(12)) | {1, 6, 12} and 11 not in near
     assert len(measured.layer) == len(measured.head) == 12
     # k rows: 0.15 k in all, 0.1 k of it the layers alone, at 11 rows as at the timed ones
     assert measured.layer == pytest.approx([0.1 * k / layers for k in range(1, 13)])
     assert measured.head == pytest.approx([0.05 * k for k in range(1, 13)])
 
 
-@pytest.mark.parametrize(("budget_s", "timed"), [(0.0, costs.IN_DECODING_MIN_CYCLES), (1e9, 5)])
+@pytest.mark.parametrize(
+    ("budget_s", "timed"), [(0.0, cost_profile.IN_DECODING_MIN_CYCLES), (1e9, 5)]
+)
 def test_cycles_in_decoding_are_as_many_as_the_budget_holds(budget_s, timed):
     """At the untimed cycle's pace, as many timed cycles as `budget_s` holds, no fewer than the
     least and no more than asked; the progress bar counts every cycle and the draft heads."""
@@ -294,7 +286,7 @@ def test_cycles_in_decoding_are_as_many_as_the_budget_holds(budget_s, timed):
     bar = tqdm(total=1, file=io.StringIO())
     with model.scratch_cache(64), torch.inference_mode():
         states = model.embed(torch.arange(4))
-        costs.measure_in_decoding(model, states, 16, cycles=5, budget_s=budget_s, bar=bar)
+        cost_profile.measure_in_decoding(model, states, 16, cycles=5, budget_s=budget_s, bar=bar)
     assert (bar.n, bar.total) == (timed + 1, timed + 2)
 
 
@@ -302,13 +294,13 @@ def test_what_rounds_leave_is_one_line_through_noisy_medians():
     """A trend across the row counts is kept; one count's noise is not what every larger
     round is priced at."""
     counts = [1, 2, 3, 4, 8]
-    assert costs.lingering_line(counts, [0.0, 0.1, 0.2, 0.3, 0.7], 9) == pytest.approx(
+    assert cost_profile.lingering_line(counts, [0.0, 0.1, 0.2, 0.3, 0.7], 9) == pytest.approx(
         [0.1 * k for k in range(9)]
     )
-    noisy = costs.lingering_line(counts, [0.5, 0.4, 0.0, 0.0, 0.0], 9)
+    noisy = cost_profile.lingering_line(counts, [0.5, 0.4, 0.0, 0.0, 0.0], 9)
     assert noisy[0] == 0.0 and max(noisy) < 0.1  # (0.4 at 2 rows alone)
-    assert costs.lingering_line(counts, [0.0, -0.2, 0.1, -0.1, 0.0], 9) == [0.0] * 9
-    assert costs.lingering_line([1], [0.3], 3) == [0.0] * 3
+    assert cost_profile.lingering_line(counts, [0.0, -0.2, 0.1, -0.1, 0.0], 9) == [0.0] * 9
+    assert cost_profile.lingering_line([1], [0.3], 3) == [0.0] * 3
 
 
 def test_rows_in_decoding_are_a_plain_step_apart():
@@ -317,7 +309,7 @@ def test_rows_in_decoding_are_a_plain_step_apart():
     model = tiny_model(seed=0)
     with model.scratch_cache(64), torch.inference_mode():
         states = model.embed(torch.arange(9))
-        in_steps, lingering = costs.measure_in_decoding(model, states, 16, cycles=2)
+        in_steps, lingering = cost_profile.measure_in_decoding(model, states, 16, cycles=2)
     assert len(in_steps) == len(lingering) == 9 and in_steps[0] == 1.0
     assert in_steps == sorted(in_steps) and lingering[0] == 0.0
     assert lingering == sorted(lingering) and min(lingering) >= 0.0
@@ -335,7 +327,7 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
 
 
 def test_cost_check_corrects_a_profile_that_rounds_disagree_with(tmp_path, capsys, caplog):
-    caplog.set_level(logging.INFO, logger="delspec.costs")
+    caplog.set_level(logging.INFO, logger="delspec.policies.cost_model")
     layer, head = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [0.5] * 6
     cost = MeasuredCost(profile(list(layer), list(head), 0.25), LAYERS)
     check = CostCheck(cost, window=16)
@@ -568,11 +560,11 @@ def test_draft_heads_are_priced_from_paired_differences() -> None:
                 slow * 4e-3 + 4e-4 + jitter[2],
             ]
         )
-    prices, settled = costs.head_costs(samples)
+    prices, settled = cost_profile.head_costs(samples)
     assert settled
     assert prices[0] == pytest.approx(5e-4, abs=2e-5)
     assert prices[1] == prices[0]  # the larger vocabulary read cheaper: raised to the smaller's
     for row in samples[8:]:  # the second half: the heads twice as dear
         row[1] += 5e-4
         row[2] += 5e-4
-    assert not costs.head_costs(samples)[1]
+    assert not cost_profile.head_costs(samples)[1]

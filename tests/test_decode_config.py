@@ -13,7 +13,6 @@ from delspec.bench.backends import DelspecBackend
 from delspec.bench.methods import method_config, parse_methods
 from delspec.cli import build_parser, main
 from delspec.cli.arguments import decode_config
-from delspec.costs import LayerCost
 from delspec.decode_config import (
     PAPER,
     PRESETS,
@@ -24,16 +23,17 @@ from delspec.decode_config import (
     StaticOptions,
     parse_option,
 )
-from delspec.decoding import decode_tokens
-from delspec.draft_head import draft_head
-from delspec.engine import ExitHead
+from delspec.decoding.generate import generate
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.draft_head import draft_head
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
-from delspec.generate import generate
-from delspec.loading import LoadedModel
 from delspec.policies import POLICIES, make_policy
+from delspec.policies.cost_model import LayerCost
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit
 from delspec.server.protocol import CompletionRequest
+from delspec.weights.loading import LoadedModel
 
 LAYERS = 6
 

@@ -8,16 +8,12 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.batch_drafts import BatchDrafts
-from delspec.decoding import (
-    Decoding,
-    decode_tokens,
-    paying_batch,
-    start_together,
-    step_together,
-)
+from delspec.decoding.batch import start_together, step_together
+from delspec.decoding.sampling import Sampling
+from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.drafting.batch_drafts import BatchDrafts
+from delspec.machine.batching import paying_batch
 from delspec.policies import make_policy
-from delspec.sampling import Sampling
 
 PROMPTS = [list(range(3, 12)), list(range(20, 23)), [5, 9, 14, 2, 7, 30, 31], [40]]
 

@@ -11,11 +11,12 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import PAPER
-from delspec.decoding import decode_tokens
-from delspec.engine import ExitHead, Round
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.exit_head import ExitHead
 from delspec.policies import make_policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit
+from delspec.policies.protocol import Round
 
 
 def test_the_papers_options_run_the_papers_rule():

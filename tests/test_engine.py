@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from tiny_models import tiny_model
 
-from delspec.engine import Engine
-from delspec.sampling import Sampling
+from delspec.decoding.engine import Engine
+from delspec.decoding.sampling import Sampling
 
 PROMPT = list(range(3, 15))
 

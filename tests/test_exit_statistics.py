@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from delspec.costs import LayerCost
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens, position_sums
+from delspec.policies.cost_model import LayerCost
+from delspec.policies.exit_statistics import (
+    ExitStatistics,
+    best_plan,
+    expected_tokens,
+    position_sums,
+)
 
 T, F = True, False
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.decoding import decode_tokens
+from delspec.decoding.sequence import decode_tokens
 from delspec.policies import STRATEGIES, make_policy
 
 FAMILIES = {

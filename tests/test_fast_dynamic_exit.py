@@ -8,16 +8,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_costs import profile
+from helpers import profile
 from tiny_models import tiny_model
 
-from delspec.context_drafts import NO_PROPOSAL, ContextProposal
-from delspec.costs import MeasuredCost
-from delspec.decoding import decode_tokens
-from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.drafting.draft_head import DraftHead
+from delspec.drafting.exit_head import ExitHead
 from delspec.policies import fast_dynamic_exit, make_policy
+from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fast_dynamic_exit import HELD_BATCH, FastDynamicExit
+from delspec.policies.protocol import Round
 
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from delspec.engine import Round
 from delspec.policies import Plan, make_policy
+from delspec.policies.protocol import Round
 
 
 def finished(drafted: int, accepted: int) -> Round:

@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import CHAT, TEXT, TIMEOUT, tiny_lm
+from helpers import CHAT, TEXT, TIMEOUT, tiny_lm
 
-import delspec.loading
+import delspec.weights.loading
 from delspec.cli import main
-from delspec.loading import LoadedModel
 from delspec.server import create_app, serving
+from delspec.weights.loading import LoadedModel
 
 SEED = 60
 BODIES = 300  # requests to each endpoint
@@ -193,7 +193,7 @@ def command_line(rng: random.Random) -> tuple[list[str], bytes]:
 def test_random_command_lines_end_in_a_message_not_a_traceback(
     tiny: LoadedModel, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(delspec.loading, "load_model", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(delspec.weights.loading, "load_model", lambda *args, **kwargs: tiny)
     rng = random.Random(SEED)
     for _ in range(COMMAND_LINES):
         argv, stdin = command_line(rng)

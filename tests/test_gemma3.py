@@ -14,12 +14,12 @@ import torch
 from tiny_models import tiny_hf_gemma3
 from transformers import Gemma3TextConfig
 
-from delspec.architectures import config_from_hf
 from delspec.bench.backends import load_transformers_model
-from delspec.checkpoint import build_model
 from delspec.errors import ModelFormatError
-from delspec.loading import load_model
-from delspec.named_models import NAMED_MODELS, NamedModel, named_model_of, named_model_path
+from delspec.model.architectures import config_from_hf
+from delspec.weights.checkpoint import build_model
+from delspec.weights.loading import load_model
+from delspec.weights.named_models import NAMED_MODELS, NamedModel, named_model_of, named_model_path
 
 SHAPES = [
     dict(),

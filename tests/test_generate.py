@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from helpers import CUT_OFF_PROMPTS
 from tiny_models import tiny_model
 
+from delspec.decoding.generate import TextStream, generate
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.generate import TextStream, generate
-from delspec.loading import LoadedModel
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +83,6 @@ def test_should_stop_is_asked_before_the_first_round(tiny: LoadedModel) -> None:
     rounds = iter([False, False, True])
     later = generate(tiny, "Hi", strategy="ar", max_new_tokens=8, should_stop=lambda: next(rounds))
     assert len(later.token_ids) == 2 and later.finish_reason == "cancelled"
-
-
-# prompts whose 16-token greedy replies end inside a multi-byte character
-CUT_OFF_PROMPTS = ["北京是中国的首都，", "Reply with emojis only: 👍🏽💡"]
 
 
 @pytest.mark.slow

@@ -6,12 +6,12 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec import kernel_choice
-from delspec.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
 from delspec.kernels.build import library
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.modules import Linear
+from delspec.machine import kernel_choice
+from delspec.machine.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
+from delspec.model.modules import Linear
 
 
 def given_speeds(seconds: dict[str, float]):

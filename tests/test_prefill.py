@@ -1,5 +1,6 @@
-"""Prompts prefilled in chunks (`delspec.prefill`): the same cache entries, the same logits and
-the same tokens as one pass, whatever shares the chunks; the row budget shared out fairly."""
+"""Prompts prefilled in chunks (`delspec.decoding.prefill`): the same cache entries, the same
+logits and the same tokens as one pass, whatever shares the chunks; the row budget shared out
+fairly."""
 
 from __future__ import annotations
 
@@ -9,17 +10,13 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.decoding import Decoding, decode_tokens, start_together, step_together
+from delspec.decoding.batch import start_together, step_together
+from delspec.decoding.prefill import Prefill, chunk_rows, fair_shares, prefill_chunk
+from delspec.decoding.sequence import Decoding, decode_tokens
 from delspec.kernels.layers import prompt_tiles_ready
-from delspec.model import Transformer
+from delspec.machine.batching import measured_attention_span
+from delspec.model.transformer import Transformer
 from delspec.policies import make_policy
-from delspec.prefill import (
-    Prefill,
-    chunk_rows,
-    fair_shares,
-    measured_attention_span,
-    prefill_chunk,
-)
 
 LONG = [(7 * i + 3) % 60 + 2 for i in range(150)]
 SHORT = [5, 9, 14, 2, 7, 30]

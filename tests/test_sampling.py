@@ -10,17 +10,17 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from helpers import POLICIES, AtLevel, Scripted
 from scipy.stats import chisquare
-from test_context_drafts import Scripted
-from test_lossless import POLICIES, AtLevel
 from tiny_models import tiny_model
 
-from delspec import sampling as sampling_module
-from delspec.decoding import decode_tokens
-from delspec.draft_head import DraftHead
+from delspec.decoding import sampling as sampling_module
+from delspec.decoding.sampling import Sampler, Sampling
+from delspec.decoding.sequence import decode_tokens
+from delspec.drafting.draft_head import DraftHead
 from delspec.errors import ConfigError
+from delspec.kernels.scores import greedy_tokens
 from delspec.policies import make_policy
-from delspec.sampling import Sampler, Sampling, greedy_tokens
 
 VOCAB, NEW, SAMPLES = 6, 3, 2000
 SIGNIFICANCE = 0.001  # a correct sampler fails this test with probability 0.1%

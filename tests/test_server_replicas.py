@@ -9,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from helpers import CHAT, TEXT, TIMEOUT, answer
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
-from test_server import CHAT, TEXT, TIMEOUT, answer
 
 from delspec.cli import main
+from delspec.decoding.generate import generate
 from delspec.errors import ConfigError
-from delspec.generate import generate
-from delspec.loading import LoadedModel
 from delspec.server.metrics import MergedMetrics, Metrics
 from delspec.server.replicas import ReplicaSpec, replicas_serving
+from delspec.weights.loading import LoadedModel
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3,"]
 

@@ -18,11 +18,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from delspec.architectures import ModelConfig
-from delspec.checkpoint import build_model
 from delspec.kernels.blocks import BlockWeight
-from delspec.model import Transformer
-from delspec.modules import Linear
+from delspec.model.architectures import ModelConfig
+from delspec.model.modules import Linear
+from delspec.model.transformer import Transformer
+from delspec.weights.checkpoint import build_model
 
 
 def tiny_config(**overrides) -> ModelConfig:

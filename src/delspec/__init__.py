@@ -5,16 +5,15 @@ import os
 # OpenMP's idle threads spin 300,000 pauses (libgomp's default) before they sleep: on a busy
 # machine, torch's pool threads then take the cores from the thread doing the work between
 # parallel regions. 10,000 (unless the user set it; only read when libgomp loads, so only when
-# delspec is imported before torch, as the CLI does) measured, with a busy loop on each core,
-# 21 decode tok/s with 2 threads instead of 17-18 (1 thread: 20-26), and no slower without it
-# (SmolLM2 `ar`, Intel Xeon with AVX-512 VNNI, 2 cores, 2026-12-03).
+# delspec is imported before torch, as the CLI does) gives those cores back sooner under load
+# and costs nothing on a quiet machine.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
+from delspec.decoding.generate import Result, Stats, generate
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
-from delspec.generate import Result, Stats, generate
-from delspec.loading import LoadedModel, load_model
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel, load_model
 
 __all__ = [
     "PRESETS",

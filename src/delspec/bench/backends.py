@@ -25,14 +25,14 @@ import torch
 
 from delspec.bench.methods import method_config
 from delspec.decode_config import strategy_options
-from delspec.decoding import Stats, decode_tokens
-from delspec.draft_head import draft_head
+from delspec.decoding.sampling import Sampling
+from delspec.decoding.sequence import Stats, decode_tokens
+from delspec.drafting.draft_head import draft_head
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.gguf_file import GGUFFile
-from delspec.loading import LoadedModel, load_model
 from delspec.policies import make_policy
 from delspec.policies.fixed import Static
-from delspec.sampling import Sampling
+from delspec.weights.gguf_file import GGUFFile
+from delspec.weights.loading import LoadedModel, load_model
 
 ECONOMIZE_INSTALL = "pip install --no-deps economize==0.3.2"
 # llama-cpp-python compiles llama.cpp on install. Its default build (-march=native, AMX when the

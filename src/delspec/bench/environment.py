@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from delspec.kernels.build import cpu_name
-from delspec.loading import LoadedModel
+from delspec.weights.loading import LoadedModel
 
 MODEL_FIELDS = ("name", "source", "layers", "parameters", "weights", "dtype", "device")
 BANDWIDTH_BYTES = 1 << 30  # read by `read_bandwidth`: more than any last-level cache holds

@@ -30,10 +30,10 @@ from delspec.bench.metrics import aggregate, first_divergence, lossless_summary
 from delspec.bench.prompt_sets import PromptSet
 from delspec.bench.sweeps import SWEEP_OPTIONS, rotated, sweep, sweep_grid
 from delspec.bench.tasks import Prompt
+from delspec.decoding.generate import encode_prompt
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.generate import encode_prompt
-from delspec.loading import LoadedModel
-from delspec.sampling import Sampling
+from delspec.weights.loading import LoadedModel
 
 WARMUP_TOKENS = 8
 MAX_REPEATS_FACTOR = 4  # with `min_seconds`, at most this many times `repeats` timings a prompt

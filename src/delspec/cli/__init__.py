@@ -1,6 +1,7 @@
 """`delspec` command line: generate, info, serve, bench, calibrate. Thin: parsing and printing.
 
-`commands` holds each command's flags and what it runs; `arguments` the flags they share.
+`commands` holds each command's flags and what it runs (`bench_commands`: the benchmarks');
+`arguments` the flags they share.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import version
 
-from delspec.cli import commands
+from delspec.cli import bench_commands, commands
 from delspec.cli.arguments import HelpFormatter
 from delspec.errors import DelspecError
 
@@ -28,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_generate(sub)
     commands.add_info(sub)
     commands.add_serve(sub)
-    commands.add_bench(sub)
-    commands.add_bench_serve(sub)
+    bench_commands.add_bench(sub)
+    bench_commands.add_bench_serve(sub)
     commands.add_calibrate(sub)
     return parser
 

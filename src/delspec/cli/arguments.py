@@ -11,7 +11,7 @@ from delspec.errors import ConfigError
 
 if TYPE_CHECKING:
     from delspec.decode_config import DecodeConfig
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -181,8 +181,8 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     Checked against the model's depth (e.g. `--exit-layer`) before the model loads where its
     config can be read alone (`model_depth`); else the load's own check reports it."""
     from delspec.decode_config import PRESETS, parse_option
-    from delspec.loading import model_depth
     from delspec.policies import make_policy
+    from delspec.weights.loading import model_depth
 
     options = dict(parse_option(pair) for pair in args.option or ())
     for name in DECODE_FLAGS:
@@ -216,7 +216,7 @@ def load(args: argparse.Namespace) -> LoadedModel:
     """The model the `model_arguments` flags name, on their device and threads."""
     import torch
 
-    from delspec.loading import load_model
+    from delspec.weights.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -182,8 +182,8 @@ class BlockWeight:
     def _index(self, rows: Tensor | Sequence[int]) -> Tensor | array.array:
         """`rows` as int64 row numbers, checked against the row count: a tensor's as a tensor, a
         list's as an `array.array`, with no torch operation (an embedding looks up a token or
-        two per step, and inside a step each torch operation costs tens of microseconds: 70 us
-        for a tensor's checks and 40 us to make one from the list, on an AMD EPYC)."""
+        two per step, where a torch operation's fixed cost, for its checks or to make a tensor
+        from the list, would outweigh the lookup)."""
         if isinstance(rows, Tensor):
             index = rows.cpu().to(torch.int64).contiguous()
             low, high = (int(index.min()), int(index.max())) if len(index) else (0, -1)

@@ -84,9 +84,9 @@ def simd_cap() -> str | None:
 
 def cpu_name() -> str:
     """The CPU's model name, with its family and model numbers where /proc/cpuinfo has them
-    (for results and cache keys). A VM may name only "AMD EPYC" or "Intel(R) Xeon(R) Processor"
-    for cores whose products differ severalfold: a Zen 2 EPYC (family 23) issues one byte
-    multiply per cycle where a Zen 3 (family 25) issues two."""
+    (for results and cache keys). A VM may report only a vendor's product line for cores of
+    different generations, whose products differ severalfold: the family and model numbers
+    tell them apart."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -594,8 +594,8 @@ static inline __m256i broadcast4(const int8_t *x) {
 }
 
 /* Keeps v in a register at this point: without it the compiler regroups a row's 16-bit sums
- * into a tree whose partial sums outnumber the registers and spill (GCC 12: 1.3x slower on an
- * AVX2 EPYC). It only fixes an order the compiler may not undo; the CPU still schedules freely. */
+ * into a tree whose partial sums outnumber the registers and spill (slower code). It only fixes
+ * an order the compiler may not undo; the CPU still schedules freely. */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* Per row r of x (its 32 values at x + 32 r) and row of the tile (32-bit lane), the integer dot
@@ -662,9 +662,7 @@ static inline __attribute__((always_inline)) void tile_avx2(int type, const Layo
     __m256 acc[MAX_ROWS];
     for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
     /* a's fields as locals, moved to row `first` here: with a copied view of `a` per call and
-     * its fields read in the loop, GCC 12's code was 1.1x (M = 1) to 1.2x (M = 8) slower on an
-     * Intel Xeon with AVX-512 VNNI once Activations had grown by x (these locals: 5-8% faster
-     * at M = 8 than before it grew, level at M = 1) */
+     * its fields read in the loop, the compiler's code is slower, the more so the more rows */
     const int64_t G = a->G, M = a->M;
     const int8_t *q = a->q + first * GROUP;
     const float *dq = a->d + first, *sums = a->sum + first, *halves = a->half + 2 * first;
@@ -1133,8 +1131,7 @@ void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activation
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t count = M - m0 < block ? M - m0 : block;
         /* contiguous shares of pairs of tiles, so that each core's prefetcher follows one
-         * stream (1.2-1.6x faster than chunks of 4 tiles taken in turn, at M = 1 and 8 on an
-         * AVX2 EPYC) */
+         * stream (faster than chunks of tiles taken in turn) */
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < pairs; ++p)
             dl_tile(type, tiles + 2 * p * stride, a, m0, count, y + m0 * ldy + 2 * p * TILE, ldy,

@@ -10,10 +10,10 @@
  *
  * The barriers are the team's own (`team_wait`), not OpenMP's: a thread that arrives first spins
  * only about as long as its own share of the step took, then sleeps until the last one arrives.
- * OpenMP's spin for a fixed count (libgomp: 300,000 pauses, milliseconds on some CPUs), and
+ * OpenMP's spin for a fixed count (libgomp: 300,000 pauses, long on some CPUs), and
  * when another process holds the core of the thread being waited for, the spinner burns its own
- * time slice and the pair falls out of step at every barrier (issue 29: 2 threads ran slower
- * than 1 on a busy machine, once 10x slower).
+ * time slice and the pair falls out of step at every barrier (issue 29: two threads can run
+ * slower than one on a busy machine).
  *
  * Every step is row-exact (each row goes through the same operations whatever the number of
  * rows), so running k positions together gives each the bits of k one-position calls.

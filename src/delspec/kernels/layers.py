@@ -4,24 +4,22 @@ linear weights are all tiled GGUF blocks, in float32 on a CPU.
 `LayerKernels.for_model` describes the model's weights to the C code once (pointers to the
 tiles, norms and biases); `bind` adds the KV cache and RoPE tables whenever they are allocated;
 `run` is then `Transformer.run_layers` without a Python call per operation.
+
+The model layer builds on the kernels, so the model here is any `nn.Module` of its layout: a
+`delspec.model.transformer.Transformer`, whose linear layers are `delspec.model.modules.Linear`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from delspec.kernels.blocks import TILE
 from delspec.kernels.build import library
 from delspec.kernels.team import TEAM
-
-if TYPE_CHECKING:
-    from delspec.model import Transformer
-    from delspec.modules import Linear as LinearModule
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 3
@@ -77,7 +75,7 @@ def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _linear(module: LinearModule) -> _Linear:
+def _linear(module: nn.Module) -> _Linear:
     blocks = module.blocks
     parts = blocks.parts
     out = _Linear(parts=len(parts), bias=_pointer(module.bias), N=blocks.rows, K=blocks.cols)
@@ -86,14 +84,14 @@ def _linear(module: LinearModule) -> _Linear:
     return out
 
 
-def _tiled(module: LinearModule) -> bool:
+def _tiled(module: nn.Module) -> bool:
     """Whether the layer kernels can take this linear layer: block weights in at most
     `MAX_PARTS` parts of whole tiles."""
     parts = module.blocks.parts if module.blocks is not None else []
     return 0 < len(parts) <= MAX_PARTS and all(p.rows % TILE == 0 for p in parts)
 
 
-def _linears(block) -> dict[str, LinearModule]:
+def _linears(block) -> dict[str, nn.Module]:
     """A block's linear layers by their name in `_Layer`."""
     return {"qkv": block.attn.qkv, "o": block.attn.o, "gate_up": block.mlp.gate_up,
             "down": block.mlp.down}  # fmt: skip
@@ -113,7 +111,7 @@ def prompt_tiles_ready() -> bool:
 class LayerKernels:
     """The compiled layer range of one model. See the module docstring."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: nn.Module) -> None:
         cfg = model.config
         self.model = model
         self.layers = (_Layer * cfg.num_layers)()
@@ -143,7 +141,7 @@ class LayerKernels:
         self._waits = torch.zeros(2, dtype=torch.int64)  # barrier waits, and those that slept
 
     @staticmethod
-    def for_model(model: Transformer) -> LayerKernels | None:
+    def for_model(model: nn.Module) -> LayerKernels | None:
         """The compiled layers of `model`, or None where they cannot run it: weights not all
         blocks in whole tiles, not float32 on a CPU, a head size that is not a multiple of 8,
         no compiler."""

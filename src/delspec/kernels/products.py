@@ -1,16 +1,16 @@
 """The product kernels a linear layer can use, `y = x @ weight.T`, and its derived weight copies.
 
 Which kernel wins depends on the CPU, the thread count, the weight's shape and the number of
-rows, so none is hard-coded: `delspec.kernel_choice` times the candidates on the machine and each
-`Linear` keeps the winner per row bucket (`row_bucket`). Candidates:
+rows, so none is hard-coded: `delspec.machine.kernel_choice` times the candidates on the
+machine and each `Linear` keeps the winner per row bucket (`row_bucket`). Candidates:
 
 - float weights (`FLOAT_KERNELS`): `F.linear`; `narrow`, the same product as `weight @ x.T`
   over chunks of at most four columns, which some BLAS builds stream at a higher bandwidth than
   their matrix-vector kernel; `packed`, through a copy of the weight prepacked by oneDNN (whose
   cost barely grows with the row count; doubles the layer's float memory while kept);
 - block weights (`BLOCK_KERNELS`): the compiled GGUF block kernel only, at every size (its rows
-  are exact whatever their number; dequantising for long products measured faster at 128 rows,
-  but a verification of a long draft would then differ from plain steps).
+  are exact whatever their number; dequantising for long products can be faster, but a
+  verification of a long draft would then differ from plain steps).
 
 `Int8Weight` is the int8 copy of a float weight that drafts may run on.
 """

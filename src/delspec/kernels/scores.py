@@ -1,8 +1,8 @@
 """Rows of scores (logits) reduced to their greedy pick, its score and their logsumexp (the
 pick's probability is e^(top - logsumexp)): one compiled call for all rows (`scores.c`) for
-float32 on CPU, torch's operations elsewhere. Inside a decode step on 2 cores (an AMD EPYC),
-torch's `max` and `logsumexp` over one row of SmolLM2's 49k logits took about a millisecond
-(each wakes its thread pool); the compiled call runs on the calling thread."""
+float32 on CPU, torch's operations elsewhere. The compiled call runs on the calling thread:
+inside a decode step, torch's `max` and `logsumexp` over one row each wake its thread pool,
+which costs more than the reduction."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from delspec.kernels.build import library
-from delspec.sampling import greedy_tokens
+
+
+def greedy_tokens(scores: Tensor) -> Tensor:
+    """`scores.argmax(-1)` (the first of equal maxima), through numpy for float32 and float64
+    on the CPU: torch's CPU argmax is slower for a few rows of a large vocabulary."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return torch.as_tensor(scores.detach().numpy().argmax(-1))
+    return scores.argmax(-1)
 
 
 def top_logsumexp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -11,12 +11,11 @@ trying the other one call in `EXPLORE`, or in twice as many each time a trial do
 the choice (up to `MAX_EXPLORE`). A trial of the full team for layers while one thread is
 faster waits until the cores look free (`free_cores`: what the other processes leave of them,
 read from the kernel's count of runnable threads where it has one): under another process's
-load such a trial costs several calls (each barrier a lost time slice: 15-23 ms against 4-13
-ms for one thread, SmolLM2 on 2 cores with a busy loop on each). A product (the head) has no
-barrier, only the join at its end, so its trials need no free cores: under a busy loop per
-core its full team holds 2 of the 4 runnable threads where one thread holds 1 of 3 (Gemma-3-270M's
-head: 13 ms against 17). No waits, no trials: on a quiet machine the team is always the full
-one.
+load such a trial costs several calls (each barrier a lost time slice, several times a call's
+time on one thread). A product (the head) has no barrier, only the join at its end, so its
+trials need no free cores: under a busy loop per core its full team holds more of the runnable
+threads than one thread does. No waits, no trials: on a quiet machine the team is always the
+full one.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from delspec.decode_config import (
     NoOptions,
     StaticOptions,
 )
-from delspec.policies.base import Plan, Policy
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit, uses_fast_additions
 from delspec.policies.fixed import (
@@ -25,6 +24,7 @@ from delspec.policies.fixed import (
     FiniteStateDraft,
     Static,
 )
+from delspec.policies.protocol import Plan, Policy
 
 
 def _dynamic_exit(num_layers: int, options: DELOptions) -> DynamicExit:

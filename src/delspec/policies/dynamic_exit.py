@@ -13,14 +13,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from delspec.context_drafts import NO_PROPOSAL, ContextProposal
-from delspec.costs import LayerCost
 from delspec.decode_config import DELOptions
-from delspec.engine import ExitHead, Round
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.kernels.scores import top_logsumexp
-from delspec.policies.base import Plan, Policy
+from delspec.policies.cost_model import LayerCost
+from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
+from delspec.policies.protocol import Plan, Policy, Round
 
 
 class ShadowTokens(NamedTuple):

@@ -1,58 +1,38 @@
 """What `del-fast` adds to the paper's DEL: measured costs, budgets, and per-round choices.
-
 `FastDynamicExit` runs every `DELOptions` that turns on one of these additions
-(`uses_fast_additions`); the others run the paper's `DynamicExit` unchanged.
-"""
+(`uses_fast_additions`); the others run the paper's `DynamicExit` unchanged."""
 
 from __future__ import annotations
 
-import bisect
 import copy
 import time
-import weakref
-from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from delspec.cache import cache_dir
-from delspec.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
-from delspec.costs import CostProfile, MeasuredCost, cached_profile
 from delspec.decode_config import DELOptions
-from delspec.engine import ExitHead, Round
-from delspec.exit_statistics import ExitStatistics, best_plan, expected_tokens, position_sums
-from delspec.policies.base import Plan
+from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
+from delspec.drafting.exit_head import ExitHead
+from delspec.machine.cost_profile import CostProfile, cached_profile
+from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.dynamic_exit import DynamicExit
+from delspec.policies.exit_statistics import (
+    ExitStatistics,
+    best_plan,
+    expected_tokens,
+)
+from delspec.policies.fast_state import CONTEXT_PRIOR, LEARNED, ContextScore, Learned, Realized
+from delspec.policies.protocol import Plan, Round
+from delspec.policies.shadow_scoring import ShadowScoring
 
-WARM_LAYERS = 6  # candidates the warm-up scores under a shadow budget
-MIN_POSITIONS = 2  # positions a round scores under a shadow budget, if it scores at all
-REALIZED_ROUNDS = 3.0  # (decayed) rounds of exit-layer drafts before their realized speed counts
-PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step delivers now
 RETRY_EVERY = 16  # while exit-layer drafts are slower than plain steps, one round in this many
 CARRIED_EVIDENCE = 8.0  # the most (decayed) positions a generation's carried statistics cover
 MIN_CHANCE = 0.01  # a context draft token less likely than this to be accepted is not drafted
-# how far a counted layer's alpha (at any level) moves from where the plan was last chosen before
-# a round that counted only drafts and the final layer chooses again (`_counted`)
-RECHOOSE_SHIFT = 0.03
 MIN_BELOW = 3.0  # (decayed) drafts under the threshold seen before their acceptance counts
-# Unseen misses counted for the shortest context matches (under the default `prior`), and the
-# pseudo-counts by which each longer class starts from the next shorter one's rates: a class's
-# first tokens are seen once per proposal, not at every position as a layer's are, and what a
-# previous reply carried over (code: single-token matches often right) can be far from this
-# one's (chat: rarely); with 1, such drafts kept being made on short replies.
-CONTEXT_PRIOR = 3.0
-# The shortest match length (`ContextProposal.match_length`) of each class of context proposals
-# with statistics of its own. Replaying `ar` on the bench prompts, a first token was accepted
-# 19% of the time after a match of 1 token, 52-54% after 2-3, 78-84% after 4-9 and 99% after
-# 10 or more (SmolLM2); per n-gram order alone, the longest class mixed the last three.
-MATCH_CLASSES = (1, 2, 3, 4, 6, 10)
 # Rounds without exit-layer drafts whose statistics updates `observe` holds back and applies
-# together: each one's own took ~0.2-0.25 ms on a 4-6 ms SmolLM2 step (Intel Xeon), small
-# pieces each starting cold after the model's pass, and held to plain rounds del-fast ran 4-6%
-# behind `ar` on a reply without drafts; the plan sees those updates at most this many rounds
-# late. 16 against 8: 85 us less policy time a round on a chat reply, the same overall on both
-# bench models (in-process A/B, Intel Xeon).
+# together: one round's updates are small pieces of work, each starting cold after the model's
+# pass, and applied one round at a time they put a reply without drafts visibly behind `ar`;
+# the plan sees those updates at most this many rounds late.
 HELD_BATCH = 16
 
 
@@ -71,15 +51,15 @@ def uses_fast_additions(options: DELOptions) -> bool:
     )
 
 
-class FastDynamicExit(DynamicExit):
+class FastDynamicExit(ShadowScoring, DynamicExit):
     """DEL with del-fast's additions, each an option (all off in the paper's DEL):
 
     - `cost="measured"`: (E, d*) maximise expected tokens per *second*, from timings measured on
-      this device (`delspec.costs`) plus the policy's own measured work per round (apart for
-      rounds that draft from a layer, whose bookkeeping costs several times more). d* also
-      caps the draft (verifying more tokens than pays can cost several plain steps on a CPU),
-      and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so that
-      a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
+      this device (`delspec.machine.cost_profile`) plus the policy's own measured work per round
+      (apart for rounds that draft from a layer, whose bookkeeping costs several times more).
+      d* also caps the draft (verifying more tokens than pays can cost several plain steps on a
+      CPU), and alpha counts `prior` unseen mismatches (default 1; 0 with the paper's cost), so
+      that a layer seen at a few positions cannot look certain. With `no_draft`, a draft must
       promise `margin` (default 5%) more tokens per second than a plain step, or the round is
       plain: estimates from a few positions are noisy, and a wrong draft costs more than a
       right one gains.
@@ -113,7 +93,7 @@ class FastDynamicExit(DynamicExit):
       round's proposal is scored against the tokens the sequence then commits (the verifier's,
       so exact under greedy decoding and unbiased under sampling), whether it was drafted or
       not: decayed acceptance statistics per class of match length, like a layer's, at no
-      model cost (`_ContextScore`, `CONTEXT_PRIOR`).
+      model cost (`ContextScore`, `CONTEXT_PRIOR`).
       The round takes whichever of the layer plan, the context draft (its best length) and the
       extended draft promises the most tokens per measured second (a context draft, like a
       layer draft, must beat a plain step by the margin). After each exit-layer draft token,
@@ -127,7 +107,7 @@ class FastDynamicExit(DynamicExit):
       of the cost model decide; when drafting rounds turn out slower than plain steps, rounds
       go without layer drafts (context drafts still may), retrying one in `RETRY_EVERY`. While
       layer drafts run and no plain step is recent enough to compare with, one round is plain,
-      to see (about one in 45 while drafts keep winning).
+      to see.
     - The paper's stop under the exit layer's confidence threshold tau must earn its keep: the
       exit layer's drafts made under tau are counted, accepted or not (decayed, per vocabulary
       and layer), and once `MIN_BELOW` of them are seen and they are accepted often enough that
@@ -140,16 +120,15 @@ class FastDynamicExit(DynamicExit):
       applied together, in order, as each would have been (the final layer's counts in one
       update); `finish` applies what is left at the end.
     - `remember=True`: a generation starts from what the previous one with the same model, draft
-      head and options learned (`_Learned`: the statistics of every layer and of the context
+      head and options learned (`Learned`: the statistics of every layer and of the context
       drafts, the realized speeds, the measured cost with its corrections), instead of a
       warm-up from nothing: no prompt positions are scored, and round 0 already drafts where
       that pays. The statistics start with at most `CARRIED_EVIDENCE` positions of evidence
       per layer (the same rates) and decay as the new sequence adds its own, so a prompt unlike
-      the last one takes over within a few rounds; a run of short replies keeps what it learned
-      (a fixed fraction of it would shrink away, and every other reply paid a warm-up again).
+      the last one takes over within a few rounds, and a run of short replies keeps what it
+      learned (a fixed fraction would shrink away, and every other reply pay a warm-up again).
       Statistics too thin to stand in for a warm-up (no layer's evidence covers `min_evidence`
-      positions, or one) are not carried. A short reply then pays no warm-up, and a profile
-      corrected once stays corrected for the process.
+      positions, or one) are not carried. A corrected profile stays corrected for the process.
     """
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
@@ -171,7 +150,7 @@ class FastDynamicExit(DynamicExit):
 
     def start(self, exit_head: ExitHead) -> None:
         key = (self.options, type(exit_head), tuple(exit_head.vocab_sizes), exit_head.int8)
-        memory = _LEARNED.setdefault(exit_head.model, {}) if self.remember else {}
+        memory = LEARNED.setdefault(exit_head.model, {}) if self.remember else {}
         learned = memory.get(key)
         if learned is not None:
             self.cost = learned.cost
@@ -195,11 +174,11 @@ class FastDynamicExit(DynamicExit):
         # looked at again (`_recheck`; below 0: none is)
         self.layer_tokens: list[float] = []  # the layer plan's expected tokens per draft length
         self.planned = Plan(0, 0)  # the round `plan` gave last
-        self.context_score = _ContextScore(self.omega, self.context_prior)
+        self.context_score = ContextScore(self.omega, self.context_prior)
         # per statistics row: exit-layer drafts made under the threshold tau, accepted or not
         self.below = ExitStatistics(self.levels * len(self.candidates), self.omega)
         self.below_pays = False  # whether the exit layer's drafts under tau pay (`_take`)
-        self.realized = _Realized()
+        self.realized = Realized()
         self.final_exact = exit_head.final_layer_is_full_head
         final = self._final_row  # statistics rows of the final layer
         self.final_rows = [] if final is None else self._level_rows([final])
@@ -218,7 +197,7 @@ class FastDynamicExit(DynamicExit):
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
-        self.learned = _Learned(
+        self.learned = Learned(
             self.stats, self.context_score.stats, self.below, self.realized, self.cost
         )
         self.learned.row_cost = self.row_cost
@@ -328,8 +307,8 @@ class FastDynamicExit(DynamicExit):
         """Tokens per second a round with context drafts must beat: `layer_plan`'s, and a plain
         step's by the margin, where the sequence is now. `_choose` worked out its values where
         the statistics last changed, or at the end of the previous sequence: a plain step
-        priced there (10% dearer on SmolLM2) let 1-token context drafts with a 4% chance
-        through, round after round of a chat reply."""
+        priced there (dearer, further on) would let unlikely short context drafts through,
+        round after round of a chat reply."""
         cost = self.cost
         plain = (1 + self.margin) / cost.plain_seconds(1)
         if not layer_plan.draft_cap or not self.layer_tokens:
@@ -446,156 +425,16 @@ class FastDynamicExit(DynamicExit):
         old = getattr(cost, name)
         setattr(cost, name, 0.9 * old + 0.1 * seconds if old else seconds)
 
-    def _scope(self, record: Round) -> tuple[Tensor | None, Tensor | None]:
-        """Candidate rows and record positions to score this round (None, None: skip)."""
-        if self.shadow_budget is not None and not self.in_warmup and record.hidden is None:
-            return None, None
-        everything = torch.arange(record.targets.shape[0])
-        if self.shadow_budget is None:
-            return torch.arange(len(self.candidates)), everything
-        if self.in_warmup:  # a spread of candidates, the deepest included; rotation adds the rest
-            spread = torch.linspace(0, len(self.candidates) - 1, WARM_LAYERS)
-            return spread.round().long().unique(), everything
-        must = self._must_score()
-        least = len(must) + 1  # + one rotating
-        cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
-        # Only the valid context can count: context + positions whose inputs were all accepted;
-        # of those, the first ones the least rows can afford (MIN_POSITIONS at least).
-        valid = record.context + record.accepted + 1
-        positions = everything[: min(valid, max(cells // least, MIN_POSITIONS))]
-        count = min(len(self.candidates), max(cells // len(positions), least))
-        chosen = dict.fromkeys(must)
-        while len(chosen) < count:
-            chosen.setdefault(self.cursor)
-            self.cursor = (self.cursor + 1) % len(self.candidates)
-        return torch.tensor(sorted(chosen)), positions
-
-    @property
-    def _final_row(self) -> int | None:
-        """The final layer's candidate row, when it is a candidate."""
-        return (
-            self.candidates.index(self.num_layers) if self.num_layers in self.candidates else None
-        )
-
-    def _final_held(self, record: Round, admission: int | None = None) -> list[list[bool]]:
-        """Per vocabulary level, whether it holds the target at each position of `record` whose
-        inputs were all accepted (`ExitHead.held`, as the head stood at `admission`: by default
-        now): where the final layer drafts exactly the target
-        (`ExitHead.final_layer_is_full_head`)."""
-        start = record.context
-        targets = record.targets.tolist()[start : start + record.accepted + 1]
-        return self.exit_head.held(targets, admission)
-
-    def _count_final_layer(self, rounds: list[list[list[bool]]]) -> bool:
-        """Update the final layer from rounds' verifications (`_final_held` of each, in order),
-        at no model cost: a level drafts a target there exactly when it holds it. Confidence is
-        not computed (counted as 0): the stop under tau does not apply at this layer
-        (`keep_drafting`). Returns whether its alpha moved (`_counted`)."""
-        counts = [
-            [position_sums(held[level], [0.0] * len(held[level])) for held in rounds]
-            for level in range(len(rounds[0]))
-        ]
-        return self._counted(self.final_rows, counts)
-
-    def _counted(self, rows: list[int], counts: list[list[list[float]]]) -> bool:
-        """Add rounds' sums (`position_sums`, per row a list of rounds, in order) to statistics
-        `rows`; whether the alpha of one of them moved more than `RECHOOSE_SHIFT` from where the
-        plan was last chosen. Counted
-        every round, the final layer's moves a little most rounds (as a drafting layer's
-        does), and choosing the plan again each time (~0.27 ms inside a SmolLM2 generation)
-        cost more than a tenth of what a final-layer draft saves there."""
-        moved = False
-        for row, rounds in zip(rows, counts, strict=False):
-            matched, mismatched, *_ = self.stats.add_to(row, *rounds)
-            total = matched + mismatched + self.prior
-            alpha = matched / total if total > 0 else 0.0
-            moved |= abs(alpha - self.chosen_alpha[row]) > RECHOOSE_SHIFT
-        return moved
-
-    def _must_score(self) -> list[int]:
-        """Candidate rows a scored round covers under a budget: the exit layer and neighbours."""
-        here = self.candidates.index(self.exit_layer)
-        return [r for r in (here, here - 1, here + 1) if 0 <= r < len(self.candidates)]
-
-    def _will_score_next(self) -> bool:
-        """Under a budget, collect hidden states only for rounds that can afford scoring: the
-        rows they must score, plus one rotating, at `MIN_POSITIONS` positions."""
-        if self.shadow_budget is None:
-            return True
-        return self.credit >= self.row_cost * (len(self._must_score()) + 1) * MIN_POSITIONS
-
-    def _score(self, record: Round, rows: Tensor, positions: Tensor) -> None:
-        shadow = self._shadow_tokens(record, rows, positions)
-        match, targets = shadow.match, shadow.targets
-        # A target a vocabulary lacked (before the round admitted it) is a miss there; for the
-        # larger ones, would the layer's logit of it beat the smallest vocabulary's best?
-        covered = self.exit_head.covered(targets)[: self.levels]  # [levels, positions]
-        outside = (~covered[0]).nonzero()[:, 0]
-        if self.levels > 1 and len(outside):
-            wanted = targets[outside].to(shadow.hidden.device)
-            hidden = shadow.hidden[:, outside]
-            reach = self.exit_head.token_logits(hidden, shadow.layers, wanted).float()
-            match[:, outside] |= (reach >= shadow.top[:, outside]).cpu()
-        match = (match[None] & covered[:, None]).flatten(0, 1)
-        rows = self._level_rows(rows.tolist())
-        self.stats.update(match, shadow.confidence.repeat(self.levels, 1), shadow.valid, rows)
-
-    def _row_of(self, exit_layer: int, level: int) -> int:
-        """The statistics row of `exit_layer` at vocabulary `level`."""
-        return level * len(self.candidates) + self.candidates.index(exit_layer)
-
-    def _level_rows(self, rows: list[int]) -> list[int]:
-        """Statistics rows of candidate rows `rows` at every vocabulary level, level-major."""
-        count = len(self.candidates)
-        return [level * count + row for level in range(self.levels) for row in rows]
-
-    def _count_drafts(self, record: Round) -> bool:
-        """Update the exit layer from the round's drafts: accepted ones, then the first miss;
-        each vocabulary level counts the accepted drafts it held. Returns whether its alpha
-        moved (`_counted`)."""
-        first = record.from_context  # the exit layer's drafts follow the context's
-        if record.accepted < first or not record.layer_drafts:
-            return False
-        accepted = record.accepted - first
-        seen = min(accepted + 1, record.layer_drafts)
-        held_by = self.exit_head.held(record.drafted[first : first + seen])
-        confidence = record.confidences[first : first + seen]
-        rows = self._level_rows([self.candidates.index(record.exit_layer)])
-        counts = [
-            [position_sums([i < accepted and h for i, h in enumerate(held)], confidence)]
-            for held in held_by
-        ]
-        return self._counted(rows, counts)
-
     def keep_drafting(self, confidence: float) -> bool:
         """The paper's stop under the exit layer's threshold tau, unless this layer's drafts
         under tau have been accepted often enough to pay for themselves (`below_pays`), and
         never at the final layer when its drafts are the full head's restricted to a
         vocabulary: a level drafts the target there exactly when it holds it, whatever the
-        confidence (replaying `ar` on the bench prompts, SmolLM2's 16k level held 96-100% of
-        the targets in every tenth of confidence from 0 to 1, Gemma-3-270M's 86-99%), so drafts
-        run to d*, which the final layer's statistics from every verification price."""
+        confidence (a pruned level holds about as many targets at low confidence as at high), so
+        drafts run to d*, which the final layer's statistics from every verification price."""
         if self.final_exact and self.exit_layer == self.num_layers:
             return True
         return super().keep_drafting(confidence) or self.below_pays
-
-    def _count_below(self, record: Round) -> bool:
-        """Count the round's exit-layer drafts made under tau, and whether each was accepted (up
-        to the first miss: whether later ones would have been is not known). Returns whether
-        there were any."""
-        first = record.from_context
-        drafted = record.layer_drafts
-        if record.accepted < first:  # the context's drafts missed before the layer's
-            return False
-        accepted = record.accepted - first
-        seen = min(accepted + 1, drafted)
-        confidence = record.confidences[first : first + seen]
-        under = [c < self.tau_exit for c in confidence]
-        if any(under):
-            row = self._row_of(record.exit_layer, record.level)
-            match = [i < accepted for i in range(seen)]
-            self.below.add_to(row, position_sums(match, confidence, under))
-        return any(under)
 
     def _take(self, row: int, column: int) -> None:
         super()._take(row, column)
@@ -658,182 +497,3 @@ class FastDynamicExit(DynamicExit):
             self.layer_tokens = expected[row].tolist()
         self.chosen_alpha = alpha.tolist()
         self._take(row, column)
-
-
-@dataclass
-class _Learned:
-    """What a `FastDynamicExit` generation learned, for the next one with the same model, head
-    and options to start from (the live objects: the generation that runs keeps them current)."""
-
-    stats: ExitStatistics
-    context: ExitStatistics
-    below: ExitStatistics
-    realized: _Realized
-    cost: object  # MeasuredCost or LayerCost
-    row_cost: float = 0.0  # measured seconds per scored (layer, position)
-
-
-# per model (weakly: a model no longer used is forgotten), per (options, head type, draft
-# vocabulary sizes, int8 drafts)
-_LEARNED: weakref.WeakKeyDictionary[object, dict[tuple, _Learned]] = weakref.WeakKeyDictionary()
-
-
-class _Realized:
-    """Decayed tokens and seconds of the rounds that ran, by kind: plain steps, and rounds that
-    drafted from an exit layer (context drafts before them or not). Every round decays both
-    kinds by `decay`, so each kind's figures are recent: a machine's speed drifts, and rates
-    taken at different times would compare the drift, not the kinds."""
-
-    def __init__(self, decay: float = 0.97) -> None:
-        self.decay = decay
-        self.sums = {"plain": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}  # tokens, s, rounds
-
-    def add(self, record: Round, overhead: float) -> None:
-        """Count a finished round (of either kind; a context-only round only decays them),
-        with the `overhead` seconds the policy spent on it."""
-        for sums in self.sums.values():
-            sums[:] = [self.decay * value for value in sums]
-        if record.layer_drafts:
-            kind = "layer"
-        elif not record.drafted:
-            kind = "plain"
-        else:
-            return
-        seconds = record.draft_s + record.verify_s + overhead
-        for i, add in enumerate((len(record.tokens), seconds, 1.0)):
-            self.sums[kind][i] += add
-
-    def verdict(self) -> str:
-        """What the rounds that ran say of drafting from a layer next: "draft" (not seen often
-        enough, `REALIZED_ROUNDS`, to judge, or as fast as recent plain steps at least), "lose"
-        (fewer tokens per second than recent plain steps), or "see" (no plain step recent
-        enough, `PLAIN_SEEN`, to compare with: take one)."""
-        (tokens, seconds, rounds), (plain_tokens, plain_seconds, plain_rounds) = (
-            self.sums["layer"],
-            self.sums["plain"],
-        )
-        if rounds < REALIZED_ROUNDS or not seconds:
-            return "draft"
-        if plain_rounds < PLAIN_SEEN or not plain_seconds:
-            return "see"
-        return "draft" if tokens / seconds >= plain_tokens / plain_seconds else "lose"
-
-
-class _ContextScore:
-    """Decayed acceptance statistics of context proposals, from each round's proposal compared
-    with the tokens the sequence commits after it (a proposal stays pending until those tokens
-    settle it). Per class of match length (`MATCH_CLASSES`), two rows: its proposals' first
-    tokens (whose alpha is the chance a first token is accepted) and all their tokens (whose
-    continuation is the chance a token after an accepted one is). One row of all tokens would
-    mix the two: where the first token is rarely right but a right one runs on (single-token
-    matches on chat replies: 7% and 40%), its alpha read 20-30% and proposals that missed kept
-    being drafted.
-
-    A class's estimates start from the next shorter class's (`prior` pseudo-counts at its
-    rates; the shortest: `prior` unseen misses, and continuation towards its own alpha): a
-    longer match is no worse a guess than a shorter one, so a class seen a few times is not
-    priced as if its proposals had missed."""
-
-    CLASSES = len(MATCH_CLASSES)
-
-    def __init__(self, omega: float, prior: float) -> None:
-        self.prior = prior
-        self.stats = ExitStatistics(2 * self.CLASSES, omega)  # first-token rows, then all-token
-        self.committed_tokens: list[int] = []  # since `origin`
-        self.origin: int | None = None  # sequence position of committed_tokens[0]
-        self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
-        self.taken: list[int] = []  # len(committed_tokens) after each `take` since `settle`
-        self.proposal = NO_PROPOSAL  # this round's
-        self.after = NO_PROPOSAL  # this round's after its exit-layer drafts
-        self.after_drafts = 0  # how many exit-layer drafts `after` followed
-
-    def learned(self, stats: ExitStatistics) -> None:
-        """Start from `stats` (a previous sequence's) instead of nothing."""
-        self.stats = stats
-
-    @staticmethod
-    def match_class(match_length: int) -> int:
-        """The statistics class of a proposal whose match reached `match_length` tokens."""
-        return bisect.bisect_right(MATCH_CLASSES, match_length) - 1
-
-    def acceptance(self, match_length: int) -> tuple[float, float]:
-        """A proposal whose match reached `match_length` tokens: the chance its first token is
-        accepted, and that a token after an accepted one is."""
-        rates, prior, classes = self.stats.rates, self.prior, self.CLASSES
-        first, then = rates(0, prior)[0], rates(classes, prior)[1]
-        for row in range(1, self.match_class(match_length) + 1):
-            first = rates(row, prior, (first, None))[0]
-            then = rates(classes + row, prior, (0.0, then))[1]
-        return first, then
-
-    def proposed(self, proposal: ContextProposal) -> None:
-        """The round about to run had this proposal (drafted or not)."""
-        self.proposal, self.after = proposal, NO_PROPOSAL
-
-    def followed(self, proposal: ContextProposal, layer_drafts: int) -> None:
-        """The round had this proposal after its first `layer_drafts` exit-layer drafts
-        (drafted or not; the last one given is kept): it is scored if they were accepted (else
-        it followed tokens the sequence does not have)."""
-        self.after, self.after_drafts = proposal, layer_drafts
-
-    def committed(self, record: Round) -> None:
-        """Take the round's committed tokens (`take`); settle the proposals they decide."""
-        self.take(record)
-        self.settle()
-
-    def take(self, record: Round) -> None:
-        """Take the round's committed tokens and its proposals, pending until `settle`."""
-        start = record.position + 1  # where this round's tokens (and its proposal) begin
-        if self.origin is None or start - self.origin != len(self.committed_tokens):
-            # the first round, or tokens committed without a round (batched steps): restart
-            self.settle()
-            self.origin, self.committed_tokens, self.pending = start, [], []
-        index = len(self.committed_tokens)
-        self.committed_tokens.extend(record.tokens)
-        self.taken.append(len(self.committed_tokens))
-        if self.proposal.tokens:
-            self.pending.append((index, self.proposal))
-        followed = record.from_context + self.after_drafts  # drafts before `after`'s
-        if self.after.tokens and record.accepted >= followed:
-            self.pending.append((index + followed, self.after))
-        self.proposal = self.after = NO_PROPOSAL
-
-    def settle(self) -> None:
-        """Count the pending proposals that the tokens taken so far decide: those each `take`
-        decided together, take after take (the decay as if each take had been settled)."""
-        settled: dict[int, list[tuple[int, list[bool]]]] = {}  # take -> its decided proposals
-        still = []
-        for index, proposal in self.pending:
-            outcome = _settled(proposal.tokens, self.committed_tokens, index)
-            if outcome is None:
-                still.append((index, proposal))
-            else:
-                take = bisect.bisect_left(self.taken, index + len(outcome))
-                settled.setdefault(take, []).append((proposal.match_length, outcome))
-        self.pending, self.taken = still, []
-        for take in sorted(settled):
-            self.count(settled[take])
-
-    def count(self, settled: list[tuple[int, list[bool]]]) -> None:
-        """Add settled proposals, (match length, whether each token matched up to and including
-        the first miss), in one update of each row they touch (confidence 1 for every token)."""
-        sums: dict[int, list[float]] = {}  # row -> ExitStatistics' six sums
-        for match_length, outcome in settled:
-            first = self.match_class(match_length)
-            for row, match in ((first, outcome[:1]), (self.CLASSES + first, outcome)):
-                add = position_sums(match, [1.0] * len(match))
-                into = sums.setdefault(row, [0.0] * 6)
-                into[:] = [kept + new for kept, new in zip(into, add, strict=True)]
-        for row, values in sums.items():
-            self.stats.add_to(row, values)
-
-
-def _settled(proposed: list[int], committed: list[int], start: int) -> list[bool] | None:
-    """Whether each proposed token matched, up to and including the first miss, once the
-    tokens `committed` from index `start` on decide it; else None."""
-    outcome = []
-    for want, at in zip(proposed, range(start, len(committed)), strict=False):
-        outcome.append(want == committed[at])
-        if not outcome[-1]:
-            return outcome
-    return outcome if len(outcome) == len(proposed) else None

@@ -3,10 +3,10 @@ context lookup."""
 
 from __future__ import annotations
 
-from delspec.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.decode_config import DVOptions, FSOptions, LookupOptions, NoOptions, StaticOptions
-from delspec.engine import ExitHead, Round
-from delspec.policies.base import Plan, Policy
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.drafting.exit_head import ExitHead
+from delspec.policies.protocol import Plan, Policy, Round
 
 
 class Autoregressive(Policy):

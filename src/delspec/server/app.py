@@ -16,13 +16,12 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from delspec.batch_drafts import BatchDrafts
 from delspec.decode_config import DecodeConfig
-from delspec.decoding import measured_batch_seconds, paying_batch
-from delspec.draft_head import draft_head
+from delspec.drafting.batch_drafts import BatchDrafts
+from delspec.drafting.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError, is_integer
+from delspec.machine.batching import measured_attention_span, measured_batch_seconds, paying_batch
 from delspec.policies import make_policy
-from delspec.prefill import measured_attention_span
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
     APIError,
@@ -35,7 +34,7 @@ from delspec.server.service import Service
 from delspec.server.worker import DEFAULT_PREFILL_CHUNK, Worker
 
 if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for a slot unless max_queue says
@@ -82,8 +81,8 @@ def create_app(
         max_body_mb,
         prefill_chunk,
     )
-    # the decoding's cost profile read, or measured, now: inside the first request it held that
-    # request and every one queued behind it (12 s for SmolLM2 on a busy 2-core Xeon)
+    # the decoding's cost profile read, or measured, now: inside the first request it would
+    # hold that request and every one queued behind it
     make_policy(config, lm.model.num_layers).start(draft_head(lm, config))
     # a batched step's seconds by row count: what batches and their context drafts cost here
     batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}

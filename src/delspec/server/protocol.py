@@ -12,9 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from delspec.decoding.generate import Result, checked_stop
+from delspec.decoding.sampling import checked_bias
 from delspec.errors import ConfigError, ContextLengthError, DelspecError
-from delspec.generate import Result, checked_stop
-from delspec.sampling import checked_bias
 
 
 class StreamOptions(BaseModel):

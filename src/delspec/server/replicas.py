@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from prometheus_client.core import Metric
 
-from delspec.decoding import BATCH_SIZES
 from delspec.errors import ConfigError
-from delspec.loading import load_model
+from delspec.machine.batching import BATCH_SIZES
 from delspec.server.app import DEFAULT_MAX_QUEUE, create_app
 from delspec.server.metrics import MergedMetrics
+from delspec.weights.loading import load_model
 
 INSTALL_HINT = "serving replicas needs Ray Serve: pip install 'delspec[ray]'"
 APP_NAME = "delspec"

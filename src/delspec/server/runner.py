@@ -15,7 +15,7 @@ from delspec.errors import ConfigError, is_integer
 from delspec.server.app import create_app
 
 if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 
 @contextmanager

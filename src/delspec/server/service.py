@@ -11,10 +11,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding.generate import Prompt, encode_prompt
+from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.generate import Prompt, encode_prompt
 from delspec.policies import make_policy
-from delspec.sampling import Sampling
 from delspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -27,7 +27,7 @@ from delspec.server.protocol import (
 from delspec.server.worker import Job, QueueFull, Worker
 
 if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _POLL_S = 0.25  # how often a waiting request checks whether its client is still there

@@ -2,7 +2,7 @@
 
 Up to `max_batch` generations run at once, each in its own cache slot. A waiting request joins
 at the next round boundary: its prompt is prefilled in its slot in chunks of `prefill_chunk`
-rows (fewer further on in the prompt, where rows cost more: `delspec.prefill`), one chunk
+rows (fewer further on in the prompt, where rows cost more: `delspec.decoding.prefill`), one chunk
 between two steps of the running generations, so that a long prompt does not hold their
 streams up; several joining prompts share a chunk. A generation leaves as soon as it ends or
 its client goes away (the slot is free for the next one). While one generation runs alone it
@@ -27,21 +27,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from delspec.batch_drafts import BatchDrafts
 from delspec.decode_config import DecodeConfig
-from delspec.decoding import step_together
+from delspec.decoding.batch import step_together
+from delspec.decoding.generate import TextDecoding
+from delspec.decoding.prefill import Prefill, prefill_chunk
+from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.errors import DelspecError
-from delspec.generate import TextDecoding
-from delspec.prefill import Prefill, prefill_chunk
 from delspec.server.metrics import Metrics
 
 if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
 # Prompt rows prefilled between two steps of the running jobs (fewer further on in a prompt:
-# `delspec.prefill.chunk_rows`): ~0.1 s of SmolLM2 on 2 cores, no slower in all than one pass.
+# `delspec.decoding.prefill.chunk_rows`): short enough that the running jobs' steps are not
+# held up long, long enough that prefilling in chunks is no slower in all than one pass.
 DEFAULT_PREFILL_CHUNK = 128
 
 
@@ -111,7 +112,7 @@ class Worker:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
         self.max_batch, self.context, self.prefill_chunk = max_batch, context, prefill_chunk
-        self.attention_span = attention_span  # see `delspec.prefill.chunk_rows`
+        self.attention_span = attention_span  # see `delspec.decoding.prefill.chunk_rows`
         self._joining: list[_Running] = []  # in their slots, prompts being prefilled
         self._running: list[_Running] = []  # generating
         self._waiting: deque[Job] = deque()

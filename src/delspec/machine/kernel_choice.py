@@ -24,13 +24,12 @@ from collections.abc import Callable
 import torch
 
 from delspec.cache import cache_dir, write_atomically
-from delspec.costs import PROFILE_MAX_AGE_S
 from delspec.kernels.build import build_key, cpu_flags, cpu_name
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.model import Transformer
-from delspec.modules import Linear
-from delspec.timing import settled_seconds
+from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds
+from delspec.model.modules import Linear
+from delspec.model.transformer import Transformer
 
 CHOICE_VERSION = 3
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
@@ -227,7 +226,7 @@ def _read(path) -> dict | None:
         return None
     if stored.get("version") != CHOICE_VERSION:
         return None
-    if time.time() - stored.get("measured_at", 0) > PROFILE_MAX_AGE_S:
+    if time.time() - stored.get("measured_at", 0) > MEASURED_MAX_AGE_S:
         return None
     choices = stored["choices"]
     stored["choices"] = {key: {int(r): k for r, k in rows.items()} for key, rows in choices.items()}

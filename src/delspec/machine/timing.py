@@ -10,6 +10,10 @@ import torch
 
 Key = TypeVar("Key")
 
+# A measurement stored on disk (kernel choices, a cost profile) is taken again after this long:
+# the machine it describes may have changed (its load, its software) since.
+MEASURED_MAX_AGE_S = 7 * 24 * 3600
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so that a clock read after it covers that work."""

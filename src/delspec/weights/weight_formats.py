@@ -17,14 +17,14 @@ import gguf
 import numpy as np
 import torch
 
-from delspec.architectures import ModelConfig
-from delspec.checkpoint import linear_parts
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.gguf_file import GGUFFile, gguf_layout
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
 from delspec.kernels.build import library
-from delspec.model import WEIGHT_FORMATS
-from delspec.tensor_sources import TensorSource, progress
+from delspec.model.architectures import ModelConfig
+from delspec.model.transformer import WEIGHT_FORMATS
+from delspec.weights.checkpoint import linear_parts
+from delspec.weights.gguf_file import GGUFFile, gguf_layout
+from delspec.weights.tensor_sources import TensorSource, progress
 
 _Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # A block's GGUF tensors, in row order, for each fused linear layer (see FUSED_LINEARS).

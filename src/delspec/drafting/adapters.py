@@ -4,8 +4,8 @@ The adapter of exit layer E is a residual low-rank map on the final-norm-normali
 `n = norm(h)`, `n' = n + up_E(down_E(n))`, logits = LM head(`n'`) (`adapt`). Adapters and a
 token-frequency ranking are stored in a safetensors sidecar with a fingerprint of the model
 (`save_adapters`); `load_adapters` refuses another model's file. `default_adapters_path` says
-where a model's sidecar lives. They are made by `delspec.calibration.calibrate` and drafted
-with by `delspec.draft_head.DraftHead`.
+where a model's sidecar lives. They are made by `delspec.drafting.calibration.calibrate` and drafted
+with by `delspec.drafting.draft_head.DraftHead`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from torch import Tensor
 
 from delspec.cache import cache_dir, write_atomically
 from delspec.errors import ModelFormatError
-from delspec.loading import LoadedModel
-from delspec.model import Transformer
-from delspec.named_models import named_model_of
+from delspec.model.transformer import Transformer
+from delspec.weights.loading import LoadedModel
+from delspec.weights.named_models import named_model_of
 
 FORMAT = "delspec-exit-adapters"
 VERSION = "1"
 SUFFIX = ".adapters.safetensors"
 _PROBE_ROWS = 16  # embedding (and untied LM head) rows kept in the fingerprint
 # Relative difference of fingerprint weights still taken as the same model: bfloat16 or float16
-# copies of one checkpoint differ by < 0.4%, another checkpoint or quantisation by far more.
+# copies of one checkpoint differ by far less, another checkpoint or quantisation by far more.
 _PROBE_TOLERANCE = 1e-2
 # Model config fields a file must match, with how a mismatch names them.
 _IDENTITY = {

@@ -1,11 +1,14 @@
-"""The policy interface: what a decoding strategy decides, apart from how rounds run."""
+"""The types every layer shares: a round's `Plan` (what a policy decides), its `Round` (what
+happened, as the engine reports it) and the `Policy` interface, apart from how rounds run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from delspec.context_drafts import NO_PROPOSAL, ContextProposal
-from delspec.engine import ExitHead, Round
+from torch import Tensor
+
+from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
 
 
@@ -23,6 +26,33 @@ class Plan:
     draft_cap: int
     level: int = 0
     context: tuple[int, ...] = ()
+
+
+@dataclass
+class Round:
+    """What happened in one round; positions are relative to the round's first input."""
+
+    position: int  # absolute position of the round's input token
+    exit_layer: int  # E; 0 for a plain (no-draft) step
+    drafted: list[int]
+    confidences: list[float]  # exit-head probability of each drafted token
+    accepted: int
+    tokens: list[int]  # committed: accepted drafts + the target's token
+    targets: Tensor  # greedy target token after each of context + T + 1 positions
+    hidden: Tensor | None = None  # [layers, context + T + 1, hidden] when collected
+    context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
+    level: int = 0  # the exit head's draft vocabulary (`ExitHead.vocabs`) the drafts came from
+    from_context: int = 0  # leading drafted tokens that came from the context, not the exit
+    context_after: int = 0  # trailing drafted tokens from the context, after the exit layer's
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # policy annotations for traces
+    logits: Tensor | None = None  # the full head's, after the input and each draft token
+
+    @property
+    def layer_drafts(self) -> int:
+        """How many drafted tokens came from the exit layer."""
+        return len(self.drafted) - self.from_context - self.context_after
 
 
 class Policy:

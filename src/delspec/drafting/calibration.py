@@ -2,7 +2,7 @@
 
 `calibrate` lets the model continue a set of prompts (by default the built-in
 `calibration_prompts.PROMPTS`) and `fit_adapters` runs every sequence once through all layers,
-collecting each layer's states. Each exit layer's adapter (see `delspec.adapters`) is then
+collecting each layer's states. Each exit layer's adapter (see `delspec.drafting.adapters`) is then
 fitted to the final layer in two stages:
 
 1. Closed form: the rank-r map A minimising the logit-space squared error
@@ -12,8 +12,8 @@ fitted to the final layer in two stages:
    next-token distribution truncated to its `TEACHER_TOP` most likely tokens (the KL divergence
    up to a constant), over the student's full vocabulary.
 
-On SmolLM2-135M the closed form alone matches ~150 Adam steps from a zero adapter, at 1/40 of the
-time, and the few Adam steps after it improve on both. Every sixth sequence is held out; per-layer
+The closed form alone matches many Adam steps from a zero adapter, at a fraction of the time,
+and the few Adam steps after it improve on both. Every sixth sequence is held out; per-layer
 top-1 agreement with the final layer and the full KL divergence on those, before and after, are
 recorded. The final layer's tokens over all sequences give the token-frequency ranking for pruned
 draft heads.
@@ -33,14 +33,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.adapters import ExitAdapters, adapt, fingerprint
-from delspec.calibration_prompts import PROMPTS
-from delspec.draft_vocab import fallback_ranking
+from delspec.decoding.generate import generate
+from delspec.decoding.sampling import Sampling
+from delspec.drafting.adapters import ExitAdapters, adapt, fingerprint
+from delspec.drafting.calibration_prompts import PROMPTS
+from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError
-from delspec.generate import generate
-from delspec.loading import LoadedModel
-from delspec.model import Transformer
-from delspec.sampling import Sampling
+from delspec.model.transformer import Transformer
+from delspec.weights.loading import LoadedModel
 
 Prompt = tuple[str, bool]  # (text, whether to send it through the chat template)
 TEACHER_TOP = 64  # final-layer tokens kept per position as the distillation target

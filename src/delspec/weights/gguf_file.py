@@ -30,12 +30,12 @@ from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CO
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-from delspec.architectures import FAMILIES, config_from_hf
 from delspec.cache import build_once, cache_dir, file_key
-from delspec.checkpoint import strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
-from delspec.gguf_header import GGUFHeader, read_header
-from delspec.modules import rope_inv_freq
+from delspec.model.architectures import FAMILIES, config_from_hf
+from delspec.model.modules import rope_inv_freq
+from delspec.weights.checkpoint import strip_prefix
+from delspec.weights.gguf_header import GGUFHeader, read_header
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
 # tensor order llama.cpp's converter gives them: (that layout, config values the file cannot

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from delspec.architectures import ModelConfig
 from delspec.errors import ModelFormatError
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.blocks import BlockWeight
@@ -27,12 +26,13 @@ from delspec.kernels.products import (
     prepackable,
     row_bucket,
 )
+from delspec.model.architectures import ModelConfig
 
 
 class Linear(nn.Linear):
     """`nn.Linear` computed by one of the product kernels of `delspec.kernels.products`:
     the one measured fastest on this machine for the product's row count (`kernels`, set by
-    `delspec.kernel_choice`), plain `F.linear` (or the block kernel) until measured. With
+    `delspec.machine.kernel_choice`), plain `F.linear` (or the block kernel) until measured. With
     `blocks` (a `BlockWeight`, which then replaces `weight`) the products run on GGUF blocks.
     Derived copies of a float weight (oneDNN-prepacked, int8) are made on first use and again
     whenever the weight changes; `forward(x, int8=True)` uses the int8 copy (drafts only).

@@ -1,10 +1,8 @@
-"""Sequences being decoded: one at a time (`decode_tokens`), or several advanced together.
+"""Sequences being decoded, one at a time (`decode_tokens`; several together: `batch`).
 
 A `Decoding` is one sequence in progress: its engine on a slot of the model's KV cache, its
 policy, and its statistics. `advance` runs one round the policy plans (drafts and all);
-`step_together` gives several decodings one plain step each in one batched pass over the
-weights. Either way a sequence's greedy tokens are the model's own greedy tokens (the kernels'
-rows are exact however many are computed together), and sampled tokens keep its distribution.
+`commit` takes a round verified in a batched pass (`batch.step_together`).
 """
 
 from __future__ import annotations
@@ -17,13 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from delspec.engine import Engine, ExitHead, Round, through_eos
+from delspec.decoding.engine import Engine, through_eos
+from delspec.decoding.sampling import Sampling
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, is_integer
-from delspec.model import Transformer
+from delspec.machine.timing import synchronize
+from delspec.model.transformer import Transformer
 from delspec.policies import Policy
-from delspec.prefill import Prefill, prefill_chunk
-from delspec.sampling import Sampling
-from delspec.timing import fastest_seconds, synchronize
+from delspec.policies.protocol import Round
 
 OnRound = Callable[[list[int], int], bool]
 # per generated token: (its log-probability, the most likely tokens' (id, log-probability))
@@ -223,93 +222,6 @@ class Decoding:
         stats = self.totals.finish(len(new), self.prefill_s, self.decode_s)
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
-
-
-def start_together(decodings: Sequence[Decoding]) -> None:
-    """`Decoding.start` for several decodings (on distinct cache slots of one model) in one
-    batched pass over the weights: every prompt's rows at once (`prefill_chunk` without a
-    budget; the server prefills in chunks). (No DEL warm-up context is kept: its first round
-    scores its own positions only.)"""
-    prefill_chunk([Prefill(d) for d in decodings])
-
-
-@torch.inference_mode()
-def step_together(
-    decodings: Sequence[Decoding], drafts: Sequence[list[int]] | None = None
-) -> list[tuple[list[int], int]]:
-    """One round for each of `decodings` (on distinct cache slots of one model) in one batched
-    pass over the weights: each one's newest token's row and, with `drafts`, a row for each of
-    its context draft tokens (`Decoding.proposal`), verified as in a round of its own. Returns
-    each one's committed tokens (none when it stopped) and how many were accepted drafts."""
-    model = decodings[0].model
-    start = time.perf_counter()
-    drafts = drafts or [[] for _ in decodings]
-    ids, positions, slots = [], [], []
-    for decoding, draft in zip(decodings, drafts, strict=True):
-        engine = decoding.engine
-        first = len(engine.tokens) - 1
-        ids += [engine.tokens[-1], *draft]
-        positions += range(first, first + 1 + len(draft))
-        slots += [engine.slot] * (1 + len(draft))
-    inputs = model.embed(ids)
-    logits = model.head(model.run_rows(inputs, positions, slots, 0, model.num_layers))
-    synchronize(model.device)
-    seconds = (time.perf_counter() - start) / len(decodings)  # each sequence's share
-    done, row = [], 0
-    for decoding, draft in zip(decodings, drafts, strict=True):
-        done.append(decoding.commit(draft, logits[row : row + 1 + len(draft)], seconds))
-        row += 1 + len(draft)
-    return done
-
-
-BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-# A larger batch pays when it gives this much more throughput than a smaller one: any real gain
-# (more rows also let more requests start at once), beyond the noise of the timing.
-BATCH_GAIN = 1.05
-
-
-def measured_batch_seconds(
-    model: Transformer, position: int = 128, rounds: int = 8
-) -> dict[int, float]:
-    """Seconds of a batched step of each of `BATCH_SIZES` rows at `position` tokens of context
-    on this machine (the fastest of `rounds` runs, the sizes taking turns so that a busy moment
-    of the machine does not fall on one of them). Empty where rows are not computed together
-    (not a CPU, or no compiled layers: rows one by one)."""
-    if model.device.type != "cpu":
-        return {}
-    with model.scratch_cache(position + 1, BATCH_SIZES[-1]), torch.inference_mode():
-        if model.compiled_layers() is None:
-            return {}
-        steps = {size: _batched_step(model, size, position) for size in BATCH_SIZES}
-        return fastest_seconds(steps, rounds)
-
-
-def measured_max_batch(model: Transformer, position: int = 128, rounds: int = 8) -> int:
-    """How many sequences a batched step should take on this machine: `paying_batch` of
-    `measured_batch_seconds` (1 where rows are not computed together)."""
-    seconds = measured_batch_seconds(model, position, rounds)
-    return paying_batch(seconds) if seconds else 1
-
-
-def paying_batch(seconds: dict[int, float]) -> int:
-    """The smallest batch size whose step gives the most tokens per second of all the sizes
-    measured, to within `BATCH_GAIN` (every size is looked at: one timed in a slow moment does
-    not stop the search); `seconds`: the time of a step of each size."""
-    speed = {size: size / step for size, step in seconds.items()}
-    best = max(speed.values())
-    return min(size for size, tokens_per_s in speed.items() if tokens_per_s * BATCH_GAIN >= best)
-
-
-def _batched_step(model: Transformer, size: int, position: int) -> Callable[[], Tensor]:
-    """A plain step of `size` sequences at `position`, one per cache slot."""
-    ids, positions, slots = (
-        torch.zeros(size, dtype=torch.long),
-        [position] * size,
-        list(range(size)),
-    )
-    return lambda: model.head(
-        model.run_rows(model.embed(ids), positions, slots, 0, model.num_layers)
-    )
 
 
 def decode_tokens(

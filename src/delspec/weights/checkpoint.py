@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from delspec.architectures import Family, ModelConfig
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import BlockWeight
-from delspec.model import Transformer
-from delspec.modules import RMSNorm
+from delspec.model.architectures import Family, ModelConfig
+from delspec.model.modules import RMSNorm
+from delspec.model.transformer import Transformer
 
 # The Hugging Face weights that each fused linear layer of a block is made of, in row order.
 FUSED_LINEARS = {
@@ -69,7 +69,7 @@ def build_model(
 def _materialise(model: nn.Module, dtype: torch.dtype, device: str | torch.device) -> None:
     """Give each of `model`'s meta parameters uninitialised memory of `dtype` on `device`: what
     `to_empty(device=device).to(dtype)` does, without the meta path of `empty_like`, whose first
-    use imports sympy (0.3-0.4 s of a load)."""
+    use imports sympy (a noticeable share of a load)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             value = torch.empty(param.shape, dtype=dtype, device=device)

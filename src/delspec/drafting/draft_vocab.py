@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError
-from delspec.gguf_header import read_header
+from delspec.weights.gguf_header import read_header
 
 
 def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:

@@ -171,15 +171,6 @@ def checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def greedy_tokens(scores: Tensor) -> Tensor:
-    """`scores.argmax(-1)` (the first of equal maxima), through numpy for float32 and float64
-    on the CPU: torch's CPU argmax took 82 us for one row of SmolLM2's 49k logits and 860 us
-    for 3 rows of Gemma's 262k on an Intel Xeon with 2 threads, numpy's 4 and 88 us."""
-    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
-        return torch.as_tensor(scores.detach().numpy().argmax(-1))
-    return scores.argmax(-1)
-
-
 def as_rows(logits: Tensor) -> np.ndarray:
     """`logits` as a numpy array on the CPU: float64 stays, everything else float32."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -7,7 +7,7 @@ linear weights and the embedding are float tensors, or (weight formats `native` 
 `BlockWeight`s: GGUF blocks multiplied by the compiled kernels, with no float copy kept. Writing
 position p into the cache overwrites whatever was there, and attention at p sees exactly
 positions 0..p, so rejected draft positions never need cropping. The modules it is made of are
-in `delspec.modules`; loading checkpoint weights into it, in `delspec.checkpoint`.
+in `delspec.model.modules`; loading checkpoint weights into it, in `delspec.weights.checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from delspec.architectures import ModelConfig
 from delspec.errors import ContextLengthError, ModelFormatError
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.layers import SPLIT_ROWS, LayerKernels
@@ -29,7 +28,8 @@ from delspec.kernels.products import (
     narrow_product,
     row_bucket,
 )
-from delspec.modules import Block, Linear, rms_norm, rope_inv_freq, rope_table
+from delspec.model.architectures import ModelConfig
+from delspec.model.modules import Block, Linear, rms_norm, rope_inv_freq, rope_table
 
 # The weight formats a model can be held in (see `Transformer.weights`).
 WEIGHT_FORMATS = ("native", "int8", "float")
@@ -42,7 +42,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         # left uninitialised (build_model loads or initialises it): nn.Embedding's own random
-        # init, on the meta device build_model makes it on, imports torch._dynamo (1-2 s)
+        # init, on the meta device build_model makes it on, imports torch._dynamo (slow)
         shape = (config.vocab_size, config.hidden_size)
         self.embedding = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(

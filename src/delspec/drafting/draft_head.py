@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from delspec.adapters import ExitAdapters, adapt, check_model, find_adapters, load_adapters
 from delspec.decode_config import DecodeConfig, default_draft_vocab, default_int8_draft
-from delspec.draft_vocab import draft_vocabularies, fallback_ranking, vocabulary_sizes
-from delspec.engine import ExitHead
+from delspec.drafting.adapters import ExitAdapters, adapt, check_model, find_adapters, load_adapters
+from delspec.drafting.draft_vocab import draft_vocabularies, fallback_ranking, vocabulary_sizes
+from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.products import Int8Weight
-from delspec.loading import LoadedModel
-from delspec.model import Transformer
+from delspec.model.transformer import Transformer
+from delspec.weights.loading import LoadedModel
 
 
 class DraftHead(ExitHead):

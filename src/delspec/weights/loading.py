@@ -23,15 +23,15 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-from delspec.architectures import config_from_hf, token_ids
-from delspec.checkpoint import build_model
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
-from delspec.gguf_file import GGUFFile, block_count
-from delspec.kernel_choice import choose_kernels
-from delspec.model import Transformer
-from delspec.named_models import NAMED_MODELS, default_model_path, named_model_path
-from delspec.tensor_sources import SafetensorsSource, TensorSource, progress
-from delspec.weight_formats import (
+from delspec.machine.kernel_choice import choose_kernels
+from delspec.model.architectures import config_from_hf, token_ids
+from delspec.model.transformer import Transformer
+from delspec.weights.checkpoint import build_model
+from delspec.weights.gguf_file import GGUFFile, block_count
+from delspec.weights.named_models import NAMED_MODELS, default_model_path, named_model_path
+from delspec.weights.tensor_sources import SafetensorsSource, TensorSource, progress
+from delspec.weights.weight_formats import (
     check_layout,
     hf_names,
     int8_blocks,
@@ -105,7 +105,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory.
 
-    `weights`: the format the model is held and computed in (`delspec.model.WEIGHT_FORMATS`):
+    `weights`: the format the model is held and computed in
+    (`delspec.model.transformer.WEIGHT_FORMATS`):
     "native" (a GGUF file's own quantised blocks), "int8" (8-bit blocks made from float
     weights) or "float"; None picks native for GGUF files on CPU, float otherwise.
     """

@@ -20,31 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from delspec.timing import fastest_seconds, synchronize
+from delspec.machine.timing import synchronize
 
 if TYPE_CHECKING:
-    from delspec.decoding import Decoding
-    from delspec.model import Transformer
-
-
-def measured_attention_span(
-    model: Transformer, rows: int = 32, far: int = 1024, rounds: int = 3
-) -> float:
-    """The position at which a prompt row costs twice one at position 0 (its attention reads
-    every cached position before it), on this machine: `rows` rows through every layer at
-    position 0 and at `far`, the fastest of `rounds` runs each. `math.inf` where a row far on
-    costs no more (or the context is too short to tell)."""
-    far = min(far, model.config.max_position - rows)
-    if far <= 0:
-        return math.inf
-    with model.scratch_cache(far + rows), torch.inference_mode():
-        states = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
-        runs = {
-            at: lambda at=at: model.run_layers(states, at, 0, model.num_layers) for at in (0, far)
-        }
-        seconds = fastest_seconds(runs, rounds, model.device)
-    extra = seconds[far] - seconds[0]
-    return far * seconds[0] / extra if extra > 0 else math.inf
+    from delspec.decoding.sequence import Decoding
+    from delspec.model.transformer import Transformer
 
 
 class Prefill:

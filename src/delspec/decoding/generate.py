@@ -1,7 +1,7 @@
 """Public generation API: a prompt in, a `Result` (text, token ids, stats, optional trace) out.
 
-`decode_tokens` (`delspec.decoding`) is the token-level loop (policy + engine); `generate` adds
-tokenisation, chat templates, streaming text, and stop strings on top of it.
+`decode_tokens` (`delspec.decoding.sequence`) is the token-level loop (policy + engine);
+`generate` adds tokenisation, chat templates, streaming text, and stop strings on top of it.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from delspec.decode_config import DecodeConfig
-from delspec.decoding import Decoding, Stats, TokenLogprob
-from delspec.draft_head import draft_head
+from delspec.decoding.sampling import Sampling
+from delspec.decoding.sequence import Decoding, Stats, TokenLogprob
+from delspec.drafting.draft_head import draft_head
 from delspec.errors import ConfigError, is_integer
 from delspec.policies import make_policy
-from delspec.sampling import Sampling
 
 if TYPE_CHECKING:
-    from delspec.loading import LoadedModel
+    from delspec.weights.loading import LoadedModel
 
 OnText = Callable[[str, str], None]
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]

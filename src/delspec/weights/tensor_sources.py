@@ -15,8 +15,8 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.checkpoint import strip_prefix
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
+from delspec.weights.checkpoint import strip_prefix
 
 LARGE_BYTES = 200 * 2**20  # a model file this large shows load progress
 _Item = TypeVar("_Item")

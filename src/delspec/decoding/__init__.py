@@ -1,0 +1,2 @@
+"""Decoding: the engine (one round: draft, verify, accept, commit), sequences, prefill,
+sampling and generate()."""

@@ -1,0 +1,467 @@
+"""The decode cost profile: seconds measured on this machine for one model, device, dtype and
+thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), cached on disk
+per setting (`cached_profile`). A profile timed while the machine was busy would mislead every
+later run that reads it, so timings are taken in interleaved rounds until two takes agree; the
+cost model's `CostCheck` corrects a profile whose predictions a run keeps contradicting
+(`store_correction`) and marks its file for measuring again (`mark_stale`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from delspec.cache import write_atomically
+from delspec.drafting.exit_head import ExitHead
+from delspec.kernels.build import build_key, cpu_name
+from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
+from delspec.model.transformer import Transformer
+
+Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
+
+UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
+PROFILE_VERSION = 17
+# Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
+DRAFT_HEAD_ROUNDS = 16
+# Plain steps after a verification in which its cost may still show (`measure_in_decoding`): a
+# long verification slows the few steps after it, the first most.
+LINGER_STEPS = 4
+# Timed cycles of `measure_in_decoding`: at most, at least, and how many seconds decide between
+# (at the untimed first cycle's pace): a larger model's cycle takes longer, so it runs fewer
+# cycles within the budget, never fewer than the least.
+IN_DECODING_CYCLES = 8
+IN_DECODING_MIN_CYCLES = 3
+IN_DECODING_BUDGET_S = 24.0
+
+
+@dataclass
+class CostProfile:
+    """Seconds measured for this model on one device/dtype/thread setting.
+
+    `layer[k - 1]`: k new tokens through one layer after a context of `context` positions;
+    `head[k - 1]`: k rows through the full LM head; `draft_layer`: one token through one layer
+    as drafts run it (on int8 weights when `int8`); `layer_slope[k - 1]` and
+    `draft_layer_slope`: what each position more of context adds to those (attention reads
+    every earlier position); `draft_head[v]`: one row through the draft head's vocabulary level
+    v (`ExitHead.vocabs`), for the head the profile was loaded for; `lingering[k - 1]`: what a
+    round verifying k rows through every layer adds to the plain steps after it (none for one
+    row; empty: nothing measured, as in a profile made by hand). `settled`: whether
+    the timings can be trusted (two takes agreed); an unsettled profile is measured again after
+    an hour rather than a week. `path`: the file it was read from or written to (not stored).
+    """
+
+    layer: list[float]
+    head: list[float]
+    draft_layer: float
+    draft_head: list[float]
+    int8: bool
+    key: str
+    measured_at: float
+    context: int = 0
+    layer_slope: list[float] = field(default_factory=list)
+    draft_layer_slope: float = 0.0
+    lingering: list[float] = field(default_factory=list)
+    version: int = PROFILE_VERSION
+    settled: bool = field(default=True, compare=False)
+    path: str = field(default="", compare=False)
+
+    def scale(self, factor: float, drafts_only: bool = False) -> None:
+        """Multiply the timings by `factor` in place: all of them, or (`drafts_only`) only those
+        of drafting from a layer (its passes and draft heads)."""
+        if not drafts_only:
+            for name in ("layer", "head", "layer_slope", "lingering"):
+                setattr(self, name, [t * factor for t in getattr(self, name)])
+        self.draft_layer *= factor
+        self.draft_layer_slope *= factor
+        self.draft_head = [t * factor for t in self.draft_head]
+
+    def scale_rows(self, rows: int, factor: float) -> None:
+        """Multiply the timings of `rows` positions through the layers and through the head by
+        `factor` in place (what one round verifying that many rows costs)."""
+        for values in (self.layer, self.head, self.layer_slope):
+            if rows <= len(values):
+                values[rows - 1] *= factor
+
+
+def profile_key(exit_head: ExitHead) -> str:
+    """Identifies the setting a profile's model timings were measured for: model shape, device
+    (and the CPU), dtype, weight format, threads, the compiled kernels' build, and whether drafts
+    run on int8 weights (not the draft head's vocabulary: its timings are kept per vocabulary
+    within the profile)."""
+    model = exit_head.model
+    parts = [
+        repr(model.config),
+        str(model.device),
+        cpu_name(),
+        str(model.dtype),
+        model.weights,
+        str(torch.get_num_threads()),
+        torch.__version__,
+        build_key(),
+        "int8" if exit_head.int8 else "exact",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measure_profile(
+    exit_head: ExitHead,
+    exit_layer: int,
+    max_tokens: int,
+    context: int = 128,
+    far: int = 512,
+    repeats: int = 3,
+) -> CostProfile:
+    """Time the primitives a round is made of, for 1..max_tokens new tokens (at the row
+    counts of `row_counts`, in between by interpolation), after `context` positions and (for
+    the layers' slopes: at 1, half and all of max_tokens rows) after `far`; drafts through
+    `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in
+    which they all take turns, taken again until two takes agree (`settled_seconds`); k rows
+    through every layer and the head (a verification), and what they add to the steps after
+    them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`)."""
+    model = exit_head.model
+    cfg, int8, layers = model.config, exit_head.int8, model.num_layers
+    far = max(min(cfg.max_position - max_tokens - 1, far), 0)
+    context = min(context, far)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (far + max_tokens,), generator=gen).to(model.device)
+    # parts: the layer and head timings, each cycle in decoding (and its untimed one), the
+    # draft heads; on a terminal only
+    bar = tqdm(
+        total=IN_DECODING_CYCLES + 3,
+        desc="measuring decode costs",
+        unit="part",
+        file=sys.stderr,
+        leave=False,
+        disable=None,
+    )
+    with model.scratch_cache(far + max_tokens + 1), torch.inference_mode():
+        if far:
+            model.run_layers(model.embed(ids[:far]), 0, 0, layers)
+        states = model.embed(ids[far:])
+        runs, timed, sampled = _primitive_runs(model, states, context, far, int8)
+        seconds, settled = settled_seconds(runs, repeats, model.device)
+        bar.update()
+        own, lingering = measure_in_decoding(model, states, context, bar=bar)
+    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer)
+    bar.update()
+    bar.close()
+    profile = _profile(exit_head, seconds, own, lingering, timed, sampled, context, far)
+    profile.draft_head = draft_head
+    profile.settled = settled and heads_settled
+    return profile
+
+
+def _primitive_runs(
+    model: Transformer, states: Tensor, context: int, far: int, int8: bool
+) -> tuple[dict[object, Callable[[], object]], list[int], list[int]]:
+    """The runs `measure_profile` times, keyed ("layer", at, k) (k rows through every layer at
+    position `at`), ("drafted", at) (one row as drafts run it), ("head", k) and "step" (a plain
+    step), from the most rows to the fewest; and the row counts timed after `context` and,
+    sampled for the slopes, after `far`."""
+    layers, max_tokens, one = model.num_layers, len(states), states[:1]
+    runs: dict[object, Callable[[], object]] = {}
+    rows_of: dict[object, int] = {}  # each run's rows
+    sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
+    timed = sorted({*row_counts(max_tokens), *sampled})
+    for at, counts in ((context, timed), (far, sampled)):
+        for k in counts:
+            h = states[:k]
+            runs["layer", at, k] = lambda h=h, at=at: model.run_layers(h, at, 0, layers)
+            rows_of["layer", at, k] = k
+        runs["drafted", at] = lambda at=at: model.run_layers(one, at, 0, layers, None, int8)
+        rows_of["drafted", at] = 1
+    for k in timed:
+        h = states[:k]
+        runs["head", k] = lambda h=h: model.head(h)
+        rows_of["head", k] = k
+    # a plain step as decoding runs it: the head's weights read just after the layers' (each
+    # timed alone finds the caches as its previous run left them, which a decode loop does not)
+    runs["step"] = lambda: model.head(model.run_layers(one, context, 0, layers))
+    rows_of["step"] = 1
+    # taken from the most rows to the fewest: the few steps after a long verification run
+    # slower, so a one-row run right after a many-row one would read dearer than in a decode
+    # loop, and a layer draft's every pass with it
+    ordered = dict(sorted(runs.items(), key=lambda run: -rows_of[run[0]]))
+    return ordered, timed, sampled
+
+
+def _profile(
+    exit_head: ExitHead,
+    seconds: dict,
+    own: list[float],
+    lingering: list[float],
+    timed: list[int],
+    sampled: list[int],
+    context: int,
+    far: int,
+) -> CostProfile:
+    """The profile of `_primitive_runs`' `seconds` and `measure_in_decoding`'s `own` and
+    `lingering` (its draft heads still to fill in)."""
+    layers = exit_head.model.num_layers
+    every = range(1, max(timed) + 1)  # 1..max_tokens
+    span = max(far - context, 1)
+    # the layers without the head, and the head timed alone, at every row count
+    alone = np.interp(every, timed, [seconds["layer", context, k] for k in timed]).tolist()
+    head_alone = np.interp(every, timed, [seconds["head", k] for k in timed]).tolist()
+    # k rows with the head as decoding meets them (in proportion to a plain step), no less
+    # than the layers alone nor than fewer rows: a round that verifies more never reads as
+    # cheaper
+    step = seconds["step"]
+    rows = np.maximum.accumulate([max(step * own[k - 1], alone[k - 1]) for k in every])
+    # the head's share of k rows: what they took beyond the layers alone (the head as a step
+    # meets it, right after the layers' weights; timed alone, after another run, the head of
+    # fewer rows can read dearer than of more), at least half of the head timed alone
+    head = [max(rows[k - 1] - alone[k - 1], 0.5 * head_alone[k - 1]) for k in every]
+    near = [(rows[k - 1] - head[k - 1]) / layers for k in every]  # a layer's share of k rows
+    # per layer, what `far` positions add to the same rows after `context` (layers alone)
+    measured = [(seconds["layer", far, k] - alone[k - 1]) / layers for k in sampled]
+    deep = [n + float(np.interp(k, sampled, measured)) for k, n in zip(every, near, strict=True)]
+    drafted = seconds["drafted", context] / layers
+    return CostProfile(
+        layer=near,
+        head=head,
+        draft_layer=drafted,
+        draft_head=[],
+        int8=exit_head.int8,
+        key=profile_key(exit_head),
+        measured_at=time.time(),
+        context=context,
+        layer_slope=[max(d - n, 0.0) / span for n, d in zip(near, deep, strict=True)],
+        draft_layer_slope=max(seconds["drafted", far] / layers - drafted, 0.0) / span,
+        lingering=[step * g for g in lingering],
+    )
+
+
+def row_counts(most: int) -> list[int]:
+    """The row counts at which verifications are timed, up to `most`: every count up to 6,
+    then about every 30% more (a verification's cost grows smoothly with its rows there)."""
+    counts = {*range(1, min(most, 6) + 1), *np.geomspace(6, most, 6).round().astype(int).tolist()}
+    return sorted(k for k in counts if k <= most)
+
+
+def measure_in_decoding(
+    model: Transformer,
+    states: Tensor,
+    context: int,
+    cycles: int = IN_DECODING_CYCLES,
+    budget_s: float = IN_DECODING_BUDGET_S,
+    bar: tqdm | None = None,
+) -> tuple[list[float], list[float]]:
+    """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
+    decoding meets them, in plain steps: their own time, and what they add to the
+    `LINGER_STEPS` plain steps after them. A block is a plain step, the round, then those
+    steps; each round's block follows a block whose round is a plain step, and what the round
+    adds is the difference of the two blocks' last steps (a long verification slows the steps
+    after it; timed in a loop of their own shapes, a few rows read cheaper than decoding meets
+    them), fitted as one slope per row beyond the first. Medians over cycles of shuffled turns,
+    after an untimed one, at the row counts of `row_counts` (in between by interpolation): up
+    to `cycles` timed cycles, as many as `budget_s` holds at the untimed cycle's pace but no
+    fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits for fewer). `states`:
+    the rows' inputs, run at positions `context`.. of the model's cache. `bar` advances a cycle
+    at a time."""
+    layers, most = model.num_layers, len(states)
+    counts = row_counts(most)
+
+    def run(rows: int) -> float:
+        start = time.perf_counter()
+        model.head(model.run_layers(states[:rows], context, 0, layers))
+        synchronize(model.device)
+        return time.perf_counter() - start
+
+    def block(rows: int) -> tuple[float, float]:
+        """A plain step, `rows` rows, `LINGER_STEPS` plain steps: the round's and the steps'
+        seconds."""
+        run(1)
+        round_s = run(rows)
+        return round_s, sum(run(1) for _ in range(LINGER_STEPS))
+
+    own: dict[int, list[float]] = {k: [] for k in counts}
+    added: dict[int, list[float]] = {k: [] for k in counts}
+    order = list(counts)
+    shuffle = random.Random(0).shuffle
+    cycle, start = 0, time.perf_counter()
+    while cycle <= cycles:
+        shuffle(order)
+        for k in order:
+            _, reference = block(1)
+            seconds, steps = block(k)
+            if cycle:
+                own[k].append(seconds)
+                added[k].append(steps - reference)
+        if not cycle:  # the untimed cycle: how many timed ones the budget holds
+            pace = time.perf_counter() - start
+            cycles = min(cycles, max(IN_DECODING_MIN_CYCLES, int(budget_s / pace)))
+            if bar is not None:
+                bar.total = bar.n + cycles + 2  # these, and the draft heads after them
+        if bar is not None:
+            bar.update()
+        cycle += 1
+    plain = statistics.median(own[1])
+    own_k = [statistics.median(own[k]) / plain for k in counts]
+    every = np.arange(1, most + 1)
+    rows = np.maximum.accumulate(np.interp(every, counts, own_k))
+    added_k = [statistics.median(added[k]) / plain for k in counts]
+    return rows.tolist(), lingering_line(counts, added_k, most)
+
+
+def lingering_line(counts: list[int], added: list[float], most: int) -> list[float]:
+    """What rounds of 1..`most` rows leave to the plain steps after them (in plain steps), from
+    the medians `added` measured at row `counts`: one slope per row beyond the first through
+    all of them, none below 0. What a round leaves grows with its rows, and each median is
+    noisy (on a busy machine, in no order across the counts), where the largest median so far
+    from each count on would price every round of a few rows and more at that noise."""
+    extra = np.asarray(counts, dtype=np.float64) - 1
+    total = float(extra @ extra)
+    slope = max(float(extra @ np.asarray(added)) / total, 0.0) if total else 0.0
+    return (slope * np.arange(most)).tolist()
+
+
+def measure_draft_heads(
+    exit_head: ExitHead, exit_layer: int, rounds: int = DRAFT_HEAD_ROUNDS
+) -> tuple[list[float], bool]:
+    """Seconds of one draft row through each of `exit_head`'s vocabulary levels as drafts run
+    it, right after a pass over the layers (a head timed alone keeps its rows in the caches and
+    looks several times cheaper than it is between layers): `rounds` rounds of a pass alone and
+    a pass with each level's head, in turns, after an untimed one, priced by `head_costs`. Also
+    whether the rounds' two halves agree."""
+    model = exit_head.model
+    layers, int8 = model.num_layers, exit_head.int8
+    with model.scratch_cache(1), torch.inference_mode():
+        one = model.embed(torch.zeros(1, dtype=torch.long, device=model.device))
+
+        def run_layers() -> Tensor:
+            return model.run_layers(one, 0, 0, layers, None, int8)
+
+        levels = range(len(exit_head.vocabs))
+        runs = [run_layers, *(lambda v=v: exit_head(run_layers(), exit_layer, v) for v in levels)]
+        samples = []
+        for timed in range(rounds + 1):
+            times = []
+            for run in runs:
+                synchronize(model.device)
+                start = time.perf_counter()
+                run()
+                synchronize(model.device)
+                times.append(time.perf_counter() - start)
+            if timed:
+                samples.append(times)
+    return head_costs(samples)
+
+
+def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[list[float], bool]:
+    """Each vocabulary level's seconds from rounds of timings (`samples[i]`: a pass alone, then
+    a pass with each level's head): the median over the rounds of its pass less the same
+    round's pass alone (a busy moment of the machine falls on both: the fastest of each, taken
+    apart, can price a pruned draft head at very different shares of the full head from one run
+    to the next on a busy machine, and a run that looks too dear never drafts to correct it),
+    never below a smaller level's. Also whether the two halves of the rounds give medians within
+    `tolerance` of each other (False: a busy machine; the profile is taken again sooner)."""
+    added = np.array([[t - row[0] for t in row[1:]] for row in samples])
+
+    def medians(part: np.ndarray) -> np.ndarray:
+        return np.maximum.accumulate(np.maximum(np.median(part, 0), 0.0))
+
+    half = len(samples) // 2
+    first, second = medians(added[:half]), medians(added[half:])
+    agree = all(max(a, b) <= tolerance * min(a, b) for a, b in zip(first, second, strict=True))
+    return medians(added).tolist(), bool(agree)
+
+
+def cached_profile(
+    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
+) -> CostProfile:
+    """The profile for this model and setting from `directory`, measured again when missing,
+    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens. Draft
+    head timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one
+    is measured and added."""
+    path = directory / f"profile-{profile_key(exit_head)}.json"
+    vocab = ",".join(map(str, exit_head.vocab_sizes))
+    stored = _read_profile(path, max_tokens)
+    if stored is None:
+        print(
+            f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
+            f"{directory})",
+            file=sys.stderr,
+        )
+        profile = measure_profile(exit_head, exit_layer, max_tokens)
+        profile.path = str(path)
+        _write_profile(path, profile, {vocab: profile.draft_head})
+        return profile
+    profile, draft_heads = stored
+    profile.path = str(path)
+    if vocab in draft_heads:
+        profile.draft_head = draft_heads[vocab]
+    else:
+        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer)
+        draft_heads[vocab] = profile.draft_head
+        profile.settled = profile.settled and settled  # an unsettled profile stays so
+        _write_profile(path, profile, draft_heads)
+    return profile
+
+
+def _parse_profile(path: Path) -> tuple[CostProfile, dict[str, list[float]]] | None:
+    """The profile stored at `path` (without draft head timings) and its draft heads' timings
+    per vocabulary; None when missing or unreadable."""
+    try:
+        stored = json.loads(path.read_text())
+        draft_heads = dict(stored.pop("draft_heads"))
+        return CostProfile(**stored, draft_head=[]), draft_heads
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
+    """`_parse_profile`, or None when of another version, older than a week (an hour when not
+    settled), or for fewer tokens."""
+    stored = _parse_profile(path)
+    if stored is None:
+        return None
+    profile, draft_heads = stored
+    age = MEASURED_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
+    fresh = time.time() - profile.measured_at < age
+    if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
+        return profile, draft_heads
+    return None
+
+
+def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
+    """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
+    stored = {k: v for k, v in asdict(profile).items() if k not in ("draft_head", "path")}
+    text = json.dumps({**stored, "draft_heads": draft_heads})
+    write_atomically(path, lambda scratch: scratch.write_text(text))
+
+
+def store_correction(path: str | Path, factor: float) -> None:
+    """Scale every timing of the profile stored at `path` by `factor` (every vocabulary's draft
+    head too), keeping when it was measured, so that the next process starts from timings the
+    rounds agreed with (a missing or unreadable file is left alone)."""
+    stored = _parse_profile(Path(path))
+    if stored is None:
+        return
+    profile, draft_heads = stored
+    profile.scale(factor)
+    scaled = {vocab: [t * factor for t in times] for vocab, times in draft_heads.items()}
+    _write_profile(Path(path), profile, scaled)
+
+
+def mark_stale(path: str | Path) -> None:
+    """Mark the profile stored at `path` stale (unsettled, measured at time 0), so that the next
+    run measures it again (a missing or unreadable file is left alone)."""
+    try:
+        stored = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return
+    text = json.dumps({**stored, "settled": False, "measured_at": 0.0})
+    write_atomically(Path(path), lambda scratch: scratch.write_text(text))

@@ -1,0 +1,2 @@
+"""The model: architectures, the layer-addressable transformer and what it is made of.
+Nothing about drafting."""
