@@ -14,8 +14,9 @@ import pytest
 from helpers import CUT_OFF_PROMPTS
 
 import delspec.weights.loading
-from delspec.cli import build_parser, main
+from delspec.cli import build_parser, commands, main
 from delspec.decode_config import DEFAULT_STRATEGY
+from delspec.model.architectures import FAMILIES
 
 
 def test_generate_json_and_trace(smollm2, tmp_path, capsys):
@@ -108,6 +109,17 @@ def test_generate_streams_text_and_a_summary(smollm2, capsys):
     assert captured.out.strip()
     assert "strategy ar" in captured.err and "mean exit layer" not in captured.err
     assert re.search(r"decode \d+\.\d tok/s .* end-to-end \d+\.\d tok/s", captured.err)
+
+
+def test_info_lists_the_families_it_runs_without_loading_a_model(capsys, monkeypatch):
+    monkeypatch.setattr(commands, "load", None)  # calling it would fail
+    assert main(["info", "--families", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["model_type"] for row in rows} == set(FAMILIES)
+    assert {"smollm3", "granite", "phi3"} <= {row["gguf"] for row in rows}
+    assert main(["info", "--families"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(FAMILIES) and lines[1].startswith("llama ")
 
 
 def test_info(smollm2, capsys):

@@ -25,6 +25,7 @@ from delspec.cli.arguments import (
     writable_directory,
 )
 from delspec.errors import ConfigError, DelspecError
+from delspec.model.architectures import FAMILIES
 
 if TYPE_CHECKING:
     from delspec.decoding.generate import Result
@@ -179,10 +180,17 @@ def add_info(sub: argparse._SubParsersAction) -> None:
     info = sub.add_parser("info", help="describe a model")
     model_arguments(info, positional=True)
     info.add_argument("--json", action="store_true", help="print one JSON object instead")
+    info.add_argument(
+        "--families",
+        action="store_true",
+        help="list the architecture families delspec runs (no model is loaded)",
+    )
     info.set_defaults(func=cmd_info)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.families:
+        return _print_families(args.json)
     info = load(args).describe()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -191,6 +199,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for key, value in info.items():
             shown = f"{value:,}" if key == "parameters" else value
             print(f"{key.replace('_', ' '):<{width}}  {shown}")
+    return 0
+
+
+def _print_families(as_json: bool) -> int:
+    """The supported families: Hugging Face `model_type`, GGUF architecture, what differs."""
+    rows = [
+        {"model_type": name, "gguf": family.gguf, "differs": family.differs}
+        for name, family in FAMILIES.items()
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'model_type':<12}  {'gguf':<8}  differs from the Llama layout")
+    for row in rows:
+        print(f"{row['model_type']:<12}  {row['gguf']:<8}  {row['differs']}")
     return 0
 
 

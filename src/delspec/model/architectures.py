@@ -26,16 +26,25 @@ class Family:
     sliding_window_pattern: int | None = None  # every n-th layer global, when no layer_types
     sliding_everywhere: bool = False  # a `sliding_window` applies to every layer (Phi-3)
     fused_tensors: bool = False  # checkpoints hold qkv_proj and gate_up_proj fused (Phi-3)
+    gguf: str = ""  # the GGUF `general.architecture` its files declare
+    differs: str = ""  # what differs from the Llama layout, in words (`delspec info --families`)
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm=True),
-    "phi3": Family(sliding_everywhere=True, fused_tensors=True),
-    "granite": Family(),  # the Llama layout with scalar multipliers (`ModelConfig`)
-    "smollm3": Family(),  # the Llama layout; some layers without RoPE (`ModelConfig.nope_layers`)
+    "llama": Family(gguf="llama", differs="the layout (Llama 2/3/3.x, SmolLM2)"),
+    "mistral": Family(gguf="llama", differs="none"),
+    "qwen2": Family(qkv_bias=True, gguf="qwen2", differs="q/k/v bias"),
+    "qwen3": Family(qk_norm=True, gguf="qwen3", differs="per-head q/k norms"),
+    "phi3": Family(
+        sliding_everywhere=True,
+        fused_tensors=True,
+        gguf="phi3",
+        differs="fused qkv and gate/up tensors, a sliding window on every layer",
+    ),
+    # scalar multipliers (`ModelConfig`)
+    "granite": Family(gguf="granite", differs="embedding, residual, attention, logit scales"),
+    # some layers without RoPE (`ModelConfig.nope_layers`)
+    "smollm3": Family(gguf="smollm3", differs="layers without RoPE"),
     "gemma3_text": Family(
         qk_norm=True,
         sandwich_norm=True,
@@ -43,6 +52,8 @@ FAMILIES: dict[str, Family] = {
         activation="gelu_tanh",
         norm_offset=1.0,
         sliding_window_pattern=6,
+        gguf="gemma3",
+        differs="q/k norms, sandwich norms, GELU, scaled embeddings, sliding windows",
     ),
 }
 
@@ -117,7 +128,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         model_type = "gemma3_text"
     if model_type not in FAMILIES:
         raise ModelFormatError(
-            f"unsupported architecture {model_type!r}; delspec supports: {', '.join(FAMILIES)}"
+            f"unsupported architecture {model_type!r}; delspec supports: {', '.join(FAMILIES)} "
+            "(delspec info --families)"
         )
     try:
         num_heads = int(hf["num_attention_heads"])

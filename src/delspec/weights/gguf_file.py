@@ -202,7 +202,11 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     if "vocab_size" not in values and tokens is not None:
         values["vocab_size"] = len(tokens)
     if renamed not in GGUF_CONFIG_MAPPING or values.get("model_type") not in FAMILIES:
-        raise ModelFormatError(f"unsupported architecture {architecture!r} in {path}")
+        known = ", ".join(sorted({family.gguf for family in FAMILIES.values()}))
+        raise ModelFormatError(
+            f"unsupported architecture {architecture!r} in {path}; delspec runs GGUF files of: "
+            f"{known} (delspec info --families)"
+        )
     try:
         return AutoConfig.for_model(**values)
     except LIBRARY_ERRORS as exc:
