@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
@@ -25,14 +27,8 @@ from delspec import Sampling, generate, load_model
 from delspec.bench.environment import cpu_name
 from delspec.decoding.generate import encode_prompt
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Explain why the sky is blue in three sentences.",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-    "Give me three tips for writing clear emails.",
-    "What is the difference between a list and a tuple in Python?",
-    "Describe how a bicycle works to a ten-year-old.",
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from sampled_step import PROMPTS
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor, draws: int, g: torch.Generator) -> float:
@@ -100,7 +96,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draws", type=int, default=2000, help="noise draws per position")
     parser.add_argument("--out", help="write the results as JSON here")

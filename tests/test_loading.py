@@ -51,7 +51,7 @@ from transformers import (
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
-from delspec.model.architectures import config_from_hf
+from delspec.model.architectures import FAMILIES, config_from_hf
 from delspec.weights import gguf_file
 from delspec.weights.gguf_file import INDEX, GGUFFile
 from delspec.weights.gguf_header import read_header
@@ -67,22 +67,11 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
 
 
-GGUF_ARCHITECTURES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "smollm3": "smollm3",
-    "granite": "granite",
-    "phi3": "phi3",
-}
-
-
 def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> Path:
     """A GGUF of tiny transformers Llama, Qwen2 or Gemma 3 `model` with the tiny tokenizer, as
     llama.cpp's converter would write it; linear weights in `qtype` (default: float32)."""
     c = model.config
-    architecture = GGUF_ARCHITECTURES[c.model_type]
+    architecture = FAMILIES[c.model_type].gguf
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture),
         c.num_hidden_layers,
@@ -541,7 +530,7 @@ def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layou
     text = "hello world, hello gguf"
     # what the converted directory of earlier versions held (transformers' tokenizer, saved;
     # its GGUF reader reads SmolLM3's tokenizer as delspec has it do, knowing no such config)
-    with gguf_file._readable(GGUF_ARCHITECTURES[model.config.model_type]):
+    with gguf_file._readable(FAMILIES[model.config.model_type].gguf):
         theirs_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     theirs_tokenizer.save_pretrained(tmp_path / "hf")
     converted = AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -39,28 +39,25 @@ from delspec.weights.gguf_header import GGUFHeader, read_header
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
 # tensor order llama.cpp's converter gives them: (that layout, config values the file cannot
-# say, {metadata key after "<arch>.": config field}). llama.cpp runs SmolLM3 without RoPE on
-# every 4th layer, a step no metadata key holds.
-AS_LAYOUT: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
+# say). llama.cpp runs SmolLM3 without RoPE on every 4th layer, a step no metadata key holds.
+AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": (
         "llama",
         {"model_type": "smollm3", "no_rope_layer_interval": 4, "pad_token_id": None},
-        {},
     ),
-    "granite": (
-        "llama",
-        {"model_type": "granite"},
-        {
-            "embedding_scale": "embedding_multiplier",
-            "residual_scale": "residual_multiplier",
-            "attention.scale": "attention_multiplier",
-            "logit_scale": "logits_scaling",
-        },
-    ),
+    "granite": ("llama", {"model_type": "granite"}),
 }
-# Metadata transformers' GGUF table for an architecture drops: {metadata key after "<arch>.":
-# config field}.
-OWN_KEYS: dict[str, dict[str, str]] = {"phi3": {"attention.sliding_window": "sliding_window"}}
+# Metadata transformers' GGUF table for an architecture lacks or drops: {metadata key after
+# "<arch>.": config field}.
+OWN_KEYS: dict[str, dict[str, str]] = {
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "granite": {
+        "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier",
+        "attention.scale": "attention_multiplier",
+        "logit_scale": "logits_scaling",
+    },
+}
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
@@ -174,8 +171,8 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     architecture = header.architecture
     name = str(header.metadata.get("general.name", ""))
     renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
-    renamed, extra, own_keys = AS_LAYOUT.get(architecture, (renamed, {}, {}))
-    own_keys = own_keys | OWN_KEYS.get(architecture, {})
+    renamed, extra = AS_LAYOUT.get(architecture, (renamed, {}))
+    own_keys = OWN_KEYS.get(architecture, {})
     values: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}))
     values["tie_word_embeddings"] = "output.weight" not in header.tensors
     for key, value in header.metadata.items():
