@@ -50,6 +50,7 @@ from transformers import (
 
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
+from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.model.architectures import FAMILIES, config_from_hf
 from delspec.weights import gguf_file
@@ -67,9 +68,12 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
 
 
-def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> Path:
+def write_gguf(
+    model: PreTrainedModel, path: Path, qtype: int | None = None, scores: list[float] | None = None
+) -> Path:
     """A GGUF of tiny transformers Llama, Qwen2 or Gemma 3 `model` with the tiny tokenizer, as
-    llama.cpp's converter would write it; linear weights in `qtype` (default: float32)."""
+    llama.cpp's converter would write it; linear weights in `qtype` (default: float32); token
+    `scores` where given."""
     c = model.config
     architecture = FAMILIES[c.model_type].gguf
     names = gguf.get_tensor_name_map(
@@ -110,6 +114,8 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
     writer.add_token_list(TOKENS)
     writer.add_token_types([1] * BOS + [3, 3])
     writer.add_token_merges([" ".join(m) for m in MERGES])
+    if scores is not None:
+        writer.add_token_scores(scores)
     writer.add_bos_token_id(BOS)
     writer.add_eos_token_id(EOS)
     writer.add_chat_template(TEMPLATE)
@@ -323,6 +329,22 @@ def test_model_depth_is_read_from_the_config_or_header_alone(tmp_path, cache, hf
 
 
 # --- GGUF files -----------------------------------------------------------------------------
+
+
+def test_a_gguf_file_s_token_scores_are_read_from_its_cache_entry(tmp_path, cache):
+    """A load keeps the file's token scores in its cache entry; the draft vocabulary's ranking
+    reads them there (the header's token texts are not parsed again), the same as from the
+    header before any load."""
+    scores = [float(-(i * 7 % len(TOKENS))) for i in range(len(TOKENS))]
+    path = write_gguf(tiny_hf_llama(), tmp_path / "scored.gguf", scores=scores)
+    before = fallback_ranking(path, len(TOKENS) + 2)
+    assert not list(cache.rglob(gguf_file.TOKEN_SCORES))
+    load_model(path)
+    (stored,) = cache.rglob(gguf_file.TOKEN_SCORES)
+    assert np.load(stored).tolist() == scores
+    assert torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)
+    np.save(stored, -np.asarray(scores, dtype=np.float32))  # read from the entry, not the file
+    assert not torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)
 
 
 def test_gguf_matches_transformers_and_its_metadata_is_read_once(

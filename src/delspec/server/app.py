@@ -81,9 +81,11 @@ def create_app(
         max_body_mb,
         prefill_chunk,
     )
-    # the decoding's cost profile read, or measured, now: inside the first request it would
-    # hold that request and every one queued behind it
-    make_policy(config, lm.model.num_layers).start(draft_head(lm, config))
+    # the decoding's cost profile read, or measured thoroughly, now: inside the first request
+    # it would hold that request and every one queued behind it
+    policy, head = make_policy(config, lm.model.num_layers), draft_head(lm, config)
+    policy.measure_costs(head)
+    policy.start(head)
     # a batched step's seconds by row count: what batches and their context drafts cost here
     batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}
     if max_batch is None:

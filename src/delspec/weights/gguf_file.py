@@ -60,6 +60,10 @@ OWN_KEYS: dict[str, dict[str, str]] = {
 }
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
+# ...and its tokenizer scores, where it has them (float32, as stored): every load that drafts
+# from a pruned vocabulary ranks tokens by them, and reading them from the header parses every
+# token's text too
+TOKEN_SCORES = "token-scores.npy"
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
 SUPPORTED_GGML_TYPES = frozenset(
@@ -96,9 +100,7 @@ class GGUFFile:
         """Open `path`, parsing it into its cache entry on first use (keyed by the file's size,
         mtime and first MiB; the entry appears atomically)."""
         self.path = path
-        # named apart from the converted checkpoints of earlier versions, which it replaces
-        target = cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}-metadata"
-        self.directory = build_once(target, path, lambda out: _describe(path, out))
+        self.directory = build_once(_entry(path), path, lambda out: _describe(path, out))
         try:
             index = json.loads((self.directory / INDEX).read_text())
             self.architecture: str = index["architecture"]
@@ -138,6 +140,22 @@ class GGUFFile:
         return torch.from_numpy(np.copy(processor.process(weights=values, name=name).weights))
 
 
+def _entry(path: Path) -> Path:
+    """The cache entry of GGUF file `path` (named apart from the converted checkpoints of
+    earlier versions, which it replaces)."""
+    return cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}-metadata"
+
+
+def token_scores(path: Path) -> np.ndarray | None:
+    """GGUF file `path`'s `tokenizer.ggml.scores` (None where it has none): from its cache entry
+    where it has one, else from its header."""
+    stored = _entry(path) / TOKEN_SCORES
+    if stored.is_file():
+        return np.load(stored)
+    scores = read_header(path).metadata.get("tokenizer.ggml.scores")
+    return None if scores is None else np.asarray(scores, dtype=np.float32)
+
+
 def _describe(path: Path, out: Path) -> None:
     """Write the cache entry of GGUF file `path` into directory `out`."""
     header = _check_gguf(path)
@@ -160,6 +178,9 @@ def _describe(path: Path, out: Path) -> None:
         for t in header.tensors.values()
     }
     (out / INDEX).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
+    scores = header.metadata.get("tokenizer.ggml.scores")
+    if scores is not None:
+        np.save(out / TOKEN_SCORES, np.asarray(scores, dtype=np.float32))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
