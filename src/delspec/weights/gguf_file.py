@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TokenizersBackend
+from transformers import AutoConfig, PretrainedConfig, TokenizersBackend
 from transformers import modeling_gguf_pytorch_utils as gguf_pytorch_utils
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -32,9 +32,9 @@ from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
-from delspec.model.architectures import FAMILIES, config_from_hf
+from delspec.model.architectures import FAMILIES, ModelConfig, config_from_hf
 from delspec.model.modules import rope_inv_freq
-from delspec.weights.checkpoint import strip_prefix
+from delspec.weights.checkpoint import checkpoint_names, strip_prefix
 from delspec.weights.gguf_header import GGUFHeader, read_header
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
@@ -162,10 +162,10 @@ def _describe(path: Path, out: Path) -> None:
     architecture = header.architecture
     print(f"delspec: reading {path.name}'s metadata (first load only)", file=sys.stderr, flush=True)
     config = _hf_config(path, header)
-    head_dim = config_from_hf(config.to_dict()).head_dim  # refuses unsupported families
-    _carry_rope_scaling(path, header, architecture, head_dim, config)
+    ours = config_from_hf(config.to_dict())  # refuses unsupported families
+    _carry_rope_scaling(path, header, architecture, ours.head_dim, config)
+    hf_names = _hf_names(ours, architecture)
     try:
-        hf_names = _hf_names(config, architecture)
         # the class AutoTokenizer picks for this config when no tokenizer class is declared
         tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
         with _readable(architecture):
@@ -256,24 +256,19 @@ def _readable(architecture: str) -> Iterator[None]:
             supported.remove(architecture)
 
 
-def _hf_names(config: PretrainedConfig, architecture: str) -> dict[str, str]:
-    """GGUF tensor name: the name transformers gives it (with prefix), for the tensors that
-    transformers' model of `config` has (`get_gguf_hf_weights_map` over the whole model, with
-    one name table instead of one per submodule)."""
-    with torch.device("meta"):  # only its parameter names are used
-        skeleton = AutoModelForCausalLM.from_config(config)
-    processor = _processor(architecture)(config=config.to_dict())
+def _hf_names(config: ModelConfig, architecture: str) -> dict[str, str]:
+    """GGUF tensor name: the name transformers gives it (with prefix), for the weights a model of
+    `config` is made of (`checkpoint_names`), by the gguf package's name table of `architecture`
+    (transformers' own GGUF reader renames none of these families' weights)."""
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
-    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    table = gguf.get_tensor_name_map(arch, config.num_layers)
     names = {}
-    for parameter in skeleton.state_dict():
-        hf_name = processor.preprocess_name(parameter)
-        base, dot, suffix = hf_name.rpartition(".")
-        if suffix not in ("weight", "bias"):
-            base, dot, suffix = hf_name, "", ""
+    for name in checkpoint_names(config):
+        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        base, _, suffix = hf_name.rpartition(".")
         gguf_name = table.get_name(base)
         if gguf_name is not None:
-            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     return names
 
 
