@@ -18,7 +18,7 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from delspec.decode_config import default_int8_draft
+from delspec.drafting.draft_head import default_int8_draft
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
 from delspec.kernels.products import (

@@ -327,8 +327,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from delspec.calibration.calibrate import calibrate, read_prompts
     from delspec.drafting.adapters import default_adapters_path, save_adapters
-    from delspec.drafting.calibration import calibrate, read_prompts
 
     if args.out is not None:
         if args.out.is_dir():

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,7 +29,6 @@ from torch import Tensor
 from tqdm import tqdm
 
 from delspec.cache import write_atomically
-from delspec.drafting.exit_head import ExitHead
 from delspec.kernels.build import build_key, cpu_name
 from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
 from delspec.model.transformer import Transformer
@@ -51,6 +51,21 @@ IN_DECODING_BUDGET_S = 24.0
 # A quick profile: rounds of its one take of the primitives, and of its draft heads
 QUICK_ROUNDS = 2
 QUICK_DRAFT_HEAD_ROUNDS = 4
+
+
+class ExitHead(Protocol):
+    """What a profile times of an exit head (`delspec.drafting.exit_head.ExitHead`, which
+    drafting builds above this layer): its model, whether it drafts on int8 weights, and one
+    draft row through each of its vocabulary levels."""
+
+    model: Transformer
+    int8: bool
+    vocabs: list[Tensor | None]
+
+    @property
+    def vocab_sizes(self) -> list[int]: ...
+
+    def __call__(self, h: Tensor, exit_layer: int, level: int = 0) -> Tensor: ...
 
 
 @dataclass
