@@ -51,6 +51,10 @@ AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
 # "<arch>.": config field}.
 OWN_KEYS: dict[str, dict[str, str]] = {
     "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
     "granite": {
         "embedding_scale": "embedding_multiplier",
         "residual_scale": "residual_multiplier",
@@ -213,6 +217,12 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         values["head_dim"] = int(key_length)
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
+    if architecture == "gemma2":  # no key for the query scale: llama.cpp's rule (27B: 46 layers)
+        wide = values.get("num_hidden_layers") == 46
+        heads = values.get("num_attention_heads", 1)
+        values["query_pre_attn_scalar"] = (
+            values["hidden_size"] // heads if wide else values.get("head_dim", 256)
+        )
     values |= {
         key: value for key, value in extra.items() if key not in values or key == "model_type"
     }
