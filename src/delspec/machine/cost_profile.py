@@ -12,7 +12,6 @@ again (`mark_stale`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import statistics
@@ -29,8 +28,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from delspec.cache import write_atomically
-from delspec.kernels.build import build_key, cpu_name
-from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
+from delspec.machine.timing import (
+    MEASURED_MAX_AGE_S,
+    measurement_key,
+    settled_seconds,
+    synchronize,
+)
 from delspec.model.transformer import Transformer
 
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
@@ -121,23 +124,10 @@ class CostProfile:
 
 
 def profile_key(exit_head: ExitHead) -> str:
-    """Identifies the setting a profile's model timings were measured for: model shape, device
-    (and the CPU), dtype, weight format, threads, the compiled kernels' build, and whether drafts
-    run on int8 weights (not the draft head's vocabulary: its timings are kept per vocabulary
-    within the profile)."""
-    model = exit_head.model
-    parts = [
-        repr(model.config),
-        str(model.device),
-        cpu_name(),
-        str(model.dtype),
-        model.weights,
-        str(torch.get_num_threads()),
-        torch.__version__,
-        build_key(),
-        "int8" if exit_head.int8 else "exact",
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    """Identifies the setting a profile's model timings were measured for (`measurement_key`),
+    and whether drafts run on int8 weights (not the draft head's vocabulary: its timings are
+    kept per vocabulary within the profile)."""
+    return measurement_key(exit_head.model, "int8" if exit_head.int8 else "exact")
 
 
 def measure_profile(

@@ -1,18 +1,42 @@
-"""Wall-clock timing that is correct on asynchronous devices."""
+"""Wall-clock timing that is correct on asynchronous devices, and the key of every measurement
+cached on disk."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
+from delspec.kernels.build import build_key, cpu_flags, cpu_name
+from delspec.model.transformer import Transformer
+
 Key = TypeVar("Key")
 
 # A measurement stored on disk (kernel choices, a cost profile) is taken again after this long:
 # the machine it describes may have changed (its load, its software) since.
 MEASURED_MAX_AGE_S = 7 * 24 * 3600
+
+
+def measurement_key(model: Transformer, *extra: str) -> str:
+    """The key of a measurement of `model` on this machine (kernel choices, a cost profile): the
+    CPU (name and flags), torch, the thread count, the model's shape, device, dtype and weight
+    format, the compiled kernels' build, and what else sets the measurement apart (`extra`)."""
+    parts = [
+        cpu_name(),
+        " ".join(sorted(cpu_flags())),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        repr(model.config),
+        str(model.device),
+        str(model.dtype),
+        model.weights,
+        build_key(),
+        *extra,
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def synchronize(device: torch.device) -> None:
