@@ -46,6 +46,12 @@ class Session:
         self.held, self._cache = EMPTY, None
 
     @property
+    def cache(self) -> Tensor | None:
+        """The session's KV cache `[layers, 2, 1, kv_heads, length, head_dim]` (None before its
+        first call): positions 0.. hold `held.tokens`' entries."""
+        return self._cache
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the session's cache."""
         cache = self._cache
