@@ -32,6 +32,7 @@ SESSION_STRATEGIES = [
     {"strategy": "del-fast", "int8_draft": True},
     {"strategy": "del"},  # a warm-up over the prompt's last positions: never taken from a cache
     {"strategy": "static", "exit_layer": 8, "draft_length": 3},
+    {"strategy": "del-fast", "temperature": 0.8, "top_p": 0.9, "seed": 3},  # the same draws
 ]
 
 

@@ -145,7 +145,9 @@ def check_options(
     if prefill_chunk is not None and (not is_integer(prefill_chunk) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if prompt_cache_mb is not None and (
-        isinstance(prompt_cache_mb, bool) or not 0 <= prompt_cache_mb < float("inf")
+        isinstance(prompt_cache_mb, bool)
+        or not isinstance(prompt_cache_mb, int | float)
+        or not 0 <= prompt_cache_mb < float("inf")
     ):
         raise ConfigError(f"prompt_cache_mb must be a number >= 0, got {prompt_cache_mb!r}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout

@@ -46,8 +46,10 @@ class PromptCache:
         """A slot of `free` for `prompt`, holding already as many of its first positions as any
         slot or kept prefix can give it: returns (slot, those positions). `busy`: what each
         slot in use holds now (its prompt rows cached so far, or its sequence's positions)."""
-        self._check_cache()
         model = self.model
+        if not model.rows_exact:  # nothing can be reused, so nothing is kept either
+            return free[0], 0
+        self._check_cache()
         own = {s: reusable(self.held[s], prompt, model) for s in free}
         here = max(free, key=lambda s: (own[s], -self.used[s]))  # ties: the least recent
         reach = {s: reusable(held, prompt, model) for s, held in busy.items()}
