@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -319,3 +320,35 @@ def test_a_prompt_reuses_the_prefix_of_a_running_request(
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= rows - 1
     expected = delspec.generate(smollm2, prompt + " Once", strategy="ar", max_new_tokens=8).text
     assert reply["choices"][0]["text"] == expected
+
+
+def test_concurrent_conversations_get_their_solo_answers(
+    smollm2: LoadedModel, cached_url: str
+) -> None:
+    """Three conversations at once on two slots, each turn after the last: prefixes come from
+    slots and the store while others are batched, and every answer is the model's own."""
+    topics = ["the moon", "a lighthouse", "autumn leaves"]
+    strategies = ["ar", "del-fast", "static"]
+
+    def converse(index: int) -> list[tuple[list[dict[str, str]], str, int, int]]:
+        client = openai.OpenAI(base_url=cached_url + "/v1", api_key="unused", timeout=TIMEOUT)
+        chat = [{"role": "user", "content": f"Write two lines about {topics[index]}."}]
+        turns = []
+        for turn in range(1, 3):
+            reply = client.chat.completions.create(
+                model=smollm2.name, messages=chat, max_tokens=16, temperature=0,
+                extra_body={"delspec": {"strategy": strategies[index]}},
+            )  # fmt: skip
+            text, usage = reply.choices[0].message.content, reply.usage
+            cached = usage.prompt_tokens_details.cached_tokens
+            turns.append((chat, text, usage.prompt_tokens, cached))
+            chat = next_turn(chat, text, turn)
+        return turns
+
+    with ThreadPoolExecutor(3) as pool:
+        conversations = list(pool.map(converse, range(3)))
+    for turns in conversations:
+        for chat, text, _, _ in turns:
+            assert text == delspec.generate(smollm2, chat, strategy="ar", max_new_tokens=16).text
+        (_, _, first_prompt, _), (_, _, _, cached) = turns
+        assert cached >= first_prompt  # the first turn's prompt, from a slot or the store
