@@ -12,6 +12,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
 from delspec.decoding.generate import Result, Stats, generate
 from delspec.decoding.sampling import Sampling
+from delspec.decoding.session import Session
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
 from delspec.weights.loading import LoadedModel, load_model
 
@@ -26,6 +27,7 @@ __all__ = [
     "ModelFormatError",
     "Result",
     "Sampling",
+    "Session",
     "Stats",
     "generate",
     "load_model",
