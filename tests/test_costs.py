@@ -284,8 +284,8 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
     model = tiny_model(seed=0)
     calls = []
 
-    def timings(runs, rounds, device=None, tries=3):
-        calls.append((rounds, tries, sorted(key[-1] for key in runs if key[0] == "head")))
+    def timings(runs, rounds, device=None, tries=3, warm=True):
+        calls.append((rounds, tries, warm, sorted(key[-1] for key in runs if key[0] == "head")))
         return dict.fromkeys(runs, 0.01), True
 
     def in_decoding(model, states, context, cycles, **options):
@@ -303,7 +303,7 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
     counts = cost_profile.quick_counts(12)
     assert counts == [1, 2, 4, 6, 12] and quick.quick and len(quick.layer) == 12
     assert calls == [
-        (cost_profile.QUICK_ROUNDS, 1, counts),
+        (cost_profile.QUICK_ROUNDS, 1, False, counts),
         (1, False, 1, counts),
         cost_profile.QUICK_DRAFT_HEAD_ROUNDS,
     ]
@@ -312,7 +312,7 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
     every = cost_profile.row_counts(12)
     assert not thorough.quick and len(every) > len(counts)
     assert calls == [
-        (3, 3, sorted({*every, 6})),
+        (3, 3, True, sorted({*every, 6})),
         (cost_profile.IN_DECODING_CYCLES, True, cost_profile.LINGER_STEPS, every),
         cost_profile.DRAFT_HEAD_ROUNDS,
     ]

@@ -53,7 +53,7 @@ IN_DECODING_MIN_CYCLES = 3
 IN_DECODING_BUDGET_S = 24.0
 # A quick profile: rounds of its one take of the primitives, and of its draft heads
 QUICK_ROUNDS = 2
-QUICK_DRAFT_HEAD_ROUNDS = 4
+QUICK_DRAFT_HEAD_ROUNDS = 2
 
 
 class ExitHead(Protocol):
@@ -146,7 +146,8 @@ def measure_profile(
     which they all take turns, taken again until two takes agree (`settled_seconds`); k rows
     through every layer and the head (a verification), and what they add to the steps after
     them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`).
-    `quick`: at `quick_counts` only, one take of `QUICK_ROUNDS` rounds, one cycle in decoding
+    `quick`: at `quick_counts` only, one take of `QUICK_ROUNDS` rounds without an untimed one,
+    one cycle in decoding
     (one step after each round) and `QUICK_DRAFT_HEAD_ROUNDS` rounds of draft heads (noisier:
     `CostCheck` corrects what decoding contradicts)."""
     model = exit_head.model
@@ -174,7 +175,8 @@ def measure_profile(
         states = model.embed(ids)
         runs, timed, sampled = _primitive_runs(model, states, context, far, int8, counts)
         if quick:
-            seconds, settled = settled_seconds(runs, QUICK_ROUNDS, model.device, tries=1)
+            # no untimed calls: the fastest of two timed ones (the first may run cold)
+            seconds, settled = settled_seconds(runs, QUICK_ROUNDS, model.device, 1, warm=False)
         else:
             seconds, settled = settled_seconds(runs, repeats, model.device)
         bar.update()

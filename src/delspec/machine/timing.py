@@ -64,12 +64,16 @@ def median_seconds(
 
 
 def fastest_seconds(
-    runs: dict[Key, Callable[[], object]], rounds: int, device: torch.device | None = None
+    runs: dict[Key, Callable[[], object]],
+    rounds: int,
+    device: torch.device | None = None,
+    warm: bool = True,
 ) -> dict[Key, float]:
-    """Each run's fastest wall time over `rounds` rounds after one untimed call each (each
-    timing waiting for `device`'s queued work, where given); the runs take turns within a round,
-    so that a busy moment of the machine does not fall on one of them alone."""
-    for run in runs.values():
+    """Each run's fastest wall time over `rounds` rounds after one untimed call each (without
+    `warm`: none; each timing waiting for `device`'s queued work, where given); the runs take
+    turns within a round, so that a busy moment of the machine does not fall on one of them
+    alone."""
+    for run in runs.values() if warm else ():
         run()
     seconds = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
@@ -90,12 +94,14 @@ def settled_seconds(
     device: torch.device | None = None,
     tries: int = 3,
     tolerance: float = 1.25,
+    warm: bool = True,
 ) -> tuple[dict[Key, float], bool]:
-    """`fastest_seconds`, taken again (at most `tries` times in all) until two takes agree: no
+    """`fastest_seconds` (`warm`: its untimed calls, in the first take), taken again (at most
+    `tries` times in all) until two takes agree: no
     run's fastest time in one take is more than `tolerance` times the other's. Returns each
     run's fastest time over all takes, and whether two takes agreed (False: the machine was
     busy throughout, and the times may be too high)."""
-    best = fastest_seconds(runs, rounds, device)
+    best = fastest_seconds(runs, rounds, device, warm)
     for _ in range(tries - 1):
         again = fastest_seconds(runs, rounds, device)
         agree = all(max(again[k], best[k]) <= tolerance * min(again[k], best[k]) for k in runs)
