@@ -29,6 +29,7 @@ FAMILIES = {
         "logits_scaling": 3.0,
         "attn_scale": 0.1,
     },
+    "olmo2": {"family": "olmo2"},
     "gemma2": {
         "family": "gemma2",
         "sliding_window": 4,

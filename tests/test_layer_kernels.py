@@ -183,6 +183,7 @@ FAMILIES = {
     "qwen3 (head norms)": {"family": "qwen3"},
     "smollm3 (layers without RoPE)": {"family": "smollm3", "nope_layers": (0, 3)},
     "granite (multipliers)": {"family": "granite", "residual_multiplier": 0.4, "attn_scale": 0.2},
+    "olmo2 (norms after attention and MLP, q/k norms over all heads)": {"family": "olmo2"},
     "gemma2 (sandwich norms, GELU, sliding window, capped scores)": {
         "family": "gemma2",
         "sliding_window": 4,

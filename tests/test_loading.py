@@ -39,6 +39,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -554,6 +556,19 @@ def tiny_gemma2() -> Gemma2ForCausalLM:
     return model
 
 
+def tiny_olmo2() -> Olmo2ForCausalLM:
+    """A tiny OLMo 2: norms after attention and the MLP, q/k norms over all heads."""
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=2, pad_token_id=None)
+    config = Olmo2Config(**shape, bos_token_id=BOS, eos_token_id=EOS)
+    model = Olmo2ForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so that each one's place shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    return model
+
+
 LAYOUTS = {
     "llama": tiny_hf_llama,
     "qwen2": tiny_qwen2,
@@ -561,6 +576,7 @@ LAYOUTS = {
     "smollm3": tiny_smollm3,
     "granite": tiny_granite,
     "phi3": tiny_phi3,
+    "olmo2": tiny_olmo2,
     "gemma2": tiny_gemma2,
     "gemma3": tiny_gemma3,
 }
@@ -725,7 +741,8 @@ def test_gguf_header_matches_the_gguf_packages_reader(tmp_path):
         assert ours[key] == (pytest.approx(value) if isinstance(value, float) else value), key
 
 
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3", "granite"}))  # (none there)
+# (transformers reads no GGUF file of these)
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3", "granite", "olmo2"}))
 def test_gguf_config_is_transformers_own(tmp_path, layout):
     """The config made from the header is the one transformers' GGUF loader makes, except for
     a head size the file declares (`attention.key_length`), which transformers' table for

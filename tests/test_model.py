@@ -12,6 +12,8 @@ from transformers import (
     Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -74,6 +76,7 @@ SHAPES = [
         dict(num_key_value_heads=4, no_rope_layers=[0, 1, 1], pad_token_id=None),
     ),
     (Gemma2Config, Gemma2ForCausalLM, GEMMA2_CAPPED),  # capped scores and logits
+    (Olmo2Config, Olmo2ForCausalLM, dict(num_key_value_heads=2)),  # norms after, q/k over heads
 ]
 
 

@@ -80,7 +80,7 @@ def fingerprint(model: Transformer) -> tuple[dict[str, str], dict[str, Tensor]]:
     rows = torch.linspace(0, cfg.vocab_size - 1, _PROBE_ROWS).long().to(model.device)
     probes = {
         "final_norm": model.norm.weight,
-        "last_layer_norm": model.layers[-1].mlp_norm.weight,
+        "last_layer_norm": (model.layers[-1].mlp_norm or model.layers[-1].post_mlp_norm).weight,
         "embedding": model.embedding_rows(rows),
     }
     if not cfg.tie_embeddings:

@@ -65,6 +65,7 @@ typedef struct {
     float eps, norm_offset, scale;
     float residual_scale; /* each layer's attention and MLP outputs scaled by it (Granite; 1) */
     float attn_softcap;   /* AttentionShape's softcap (Gemma 2), or 0 */
+    int qk_norm_full;     /* q_norm / k_norm over all heads' queries / keys of a row (OLMo 2) */
     int64_t length;      /* cache positions per slot */
     int64_t slot_stride; /* floats between a layer's cache slots (sequences) */
     int num_layers;
@@ -258,6 +259,10 @@ static void quantised(const Own *own, const float *source, int64_t ld, Activatio
 static void normed(const Model *m, const Own *own, const float *weight, Activations *a,
                    int64_t rows, Member *me) {
     int d = m->hidden;
+    if (!weight) { /* no norm before this step (OLMo 2): the states themselves */
+        quantised(own, own->h, d, a, rows, me);
+        return;
+    }
     for (int64_t r = own->from; r < own->to; ++r)
         dl_rms_norm_row(own->h + r * d, weight, m->eps, m->norm_offset, d, own->x + r * d);
     quantised(own, own->x, d, a, rows, me);
@@ -295,13 +300,25 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
     double since = profile ? omp_get_wtime() : 0.0;
     int width = m->intermediate;
     int64_t rows = R->rows, qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
-    AttentionShape s = {m->heads,  m->kv_heads, m->dim, m->length * m->dim, L->window,
-                        m->scale,  L->q_norm,   L->k_norm, m->eps, m->norm_offset,
+    const float *q_norm = m->qk_norm_full ? NULL : L->q_norm;
+    const float *k_norm = m->qk_norm_full ? NULL : L->k_norm;
+    AttentionShape s = {m->heads, m->kv_heads, m->dim,       m->length * m->dim, L->window,
+                        m->scale, q_norm,      k_norm,       m->eps,             m->norm_offset,
                         m->attn_softcap};
     Activations a;
     normed(m, own, L->attn_norm, &a, rows, me);
     lap(profile, NORM, &since);
     linear(&L->qkv, &a, rows, qkv, me);
+    if (m->qk_norm_full && L->q_norm) { /* each row's queries, then its keys, normed in place */
+        int64_t q_n = att_n, k_n = (int64_t)m->kv_heads * m->dim;
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; ++r) {
+            float *row = qkv + r * qkv_n;
+            dl_rms_norm_row(row, L->q_norm, m->eps, m->norm_offset, (int)q_n, row);
+            dl_rms_norm_row(row + q_n, L->k_norm, m->eps, m->norm_offset, (int)k_n, row + q_n);
+        }
+        team_wait(me);
+    }
     lap(profile, QKV, &since);
     if (written) {
         dl_attention_write(&s, R, qkv, qkv_n, L->cos, L->sin, L->keys, L->values);

@@ -20,6 +20,8 @@ class Family:
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (Gemma 3, Qwen3)
     sandwich_norm: bool = False  # extra norms after attention and after the MLP (Gemma 3)
+    pre_norm: bool = True  # norms before attention and the MLP (OLMo 2: after them only)
+    qk_norm_full: bool = False  # the q/k norms over all heads' values together (OLMo 2)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     activation: str = "silu"  # "silu" or "gelu_tanh"
     norm_offset: float = 0.0  # RMSNorm scale is (offset + weight), in float32 (Gemma: 1)
@@ -45,6 +47,14 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(gguf="granite", differs="embedding, residual, attention, logit scales"),
     # some layers without RoPE (`ModelConfig.nope_layers`)
     "smollm3": Family(gguf="smollm3", differs="layers without RoPE"),
+    "olmo2": Family(
+        qk_norm=True,
+        qk_norm_full=True,
+        sandwich_norm=True,
+        pre_norm=False,
+        gguf="olmo2",
+        differs="norms after attention and the MLP instead of before, q/k norms over all heads",
+    ),
     # attention scores capped (`ModelConfig.attn_softcap`), logits too (`final_logit_softcap`)
     "gemma2": Family(
         sandwich_norm=True,

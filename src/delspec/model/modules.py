@@ -176,8 +176,11 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o = Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
-        self.k_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
+        # per head, or (`qk_norm_full`) over all heads' queries and all heads' keys
+        self.full_norms = spec.qk_norm_full
+        q_width, k_width = (self.q_size, self.kv_size) if self.full_norms else (self.head_dim,) * 2
+        self.q_norm = rms_norm(config, q_width) if spec.qk_norm else None
+        self.k_norm = rms_norm(config, k_width) if spec.qk_norm else None
         self.scale = config.softmax_scale
         self.softcap = config.attn_softcap
 
@@ -193,9 +196,11 @@ class Attention(nn.Module):
     ) -> Tensor:
         n, end = x.shape[0], start + x.shape[0]
         qkv = self.qkv(x, int8)
+        if self.full_norms:
+            qkv = self._full_norms(qkv)
         if attention.available(qkv, self.head_dim):
             norms = None
-            if self.q_norm is not None:
+            if self.q_norm is not None and not self.full_norms:
                 q_norm, k_norm = self.q_norm, self.k_norm
                 norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
             out = attention.fused_attention(
@@ -215,7 +220,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim).transpose(0, 1)
         k = k.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_norms:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache[0, :, start:end] = k
@@ -239,6 +244,11 @@ class Attention(nn.Module):
         out = out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1)
         return self.o(out, int8)
 
+    def _full_norms(self, qkv: Tensor) -> Tensor:
+        """`qkv` with its queries and its keys each normed over all heads' values."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -259,19 +269,21 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
-        dim, sandwich = config.hidden_size, config.spec.sandwich_norm
-        self.attn_norm = rms_norm(config, dim)
+        dim, sandwich, pre = config.hidden_size, config.spec.sandwich_norm, config.spec.pre_norm
+        self.attn_norm = rms_norm(config, dim) if pre else None
         self.attn = Attention(config, window)
         self.post_attn_norm = rms_norm(config, dim) if sandwich else None
-        self.mlp_norm = rms_norm(config, dim)
+        self.mlp_norm = rms_norm(config, dim) if pre else None
         self.mlp = MLP(config)
         self.post_mlp_norm = rms_norm(config, dim) if sandwich else None
         self.residual_scale = config.residual_multiplier
 
     def forward(self, x, start, cache, cos, sin, mask, int8=False) -> Tensor:
-        a = self.attn(self.attn_norm(x), start, cache, cos, sin, mask, int8)
+        a = self.attn(
+            x if self.attn_norm is None else self.attn_norm(x), start, cache, cos, sin, mask, int8
+        )
         a = a if self.post_attn_norm is None else self.post_attn_norm(a)
         x = x + (a if self.residual_scale == 1.0 else a * self.residual_scale)
-        m = self.mlp(self.mlp_norm(x), int8)
+        m = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x), int8)
         m = m if self.post_mlp_norm is None else self.post_mlp_norm(m)
         return x + (m if self.residual_scale == 1.0 else m * self.residual_scale)

@@ -216,7 +216,9 @@ class Transformer(nn.Module):
         key = (
             self.cache.data_ptr(),
             self.norm.weight.data_ptr(),
-            self.layers[0].attn_norm.weight.data_ptr(),
+            self.layers[0].post_mlp_norm.weight.data_ptr()
+            if self.layers[0].attn_norm is None
+            else self.layers[0].attn_norm.weight.data_ptr(),
         )
         if self._layer_binding is None or self._layer_binding[0] != key:
             compiled = LayerKernels.for_model(self)

@@ -114,8 +114,9 @@ def checkpoint_weights(model: Transformer) -> Iterator[tuple[Tensor | None, tupl
         if spec.qk_norm:
             yield one(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
             yield one(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
-        yield one(block.attn_norm.weight, p + "input_layernorm.weight")
-        yield one(block.mlp_norm.weight, p + mlp_norm + ".weight")
+        if spec.pre_norm:
+            yield one(block.attn_norm.weight, p + "input_layernorm.weight")
+            yield one(block.mlp_norm.weight, p + mlp_norm + ".weight")
         if spec.sandwich_norm:
             yield one(block.post_attn_norm.weight, p + "post_attention_layernorm.weight")
             yield one(block.post_mlp_norm.weight, p + "post_feedforward_layernorm.weight")

@@ -46,6 +46,8 @@ AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
         {"model_type": "smollm3", "no_rope_layer_interval": 4, "pad_token_id": None},
     ),
     "granite": ("llama", {"model_type": "granite"}),
+    # rotate-half RoPE as llama.cpp runs it (no per-head reordering), Qwen2's metadata keys
+    "olmo2": ("qwen2", {"model_type": "olmo2"}),
 }
 # Metadata transformers' GGUF table for an architecture lacks or drops: {metadata key after
 # "<arch>.": config field}.
@@ -217,6 +219,10 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         values["head_dim"] = int(key_length)
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
+    if architecture == "olmo2" and f"{architecture}.attention.sliding_window" in header.metadata:
+        raise ModelFormatError(
+            f"{path.name}: sliding-window layers in an olmo2 file (OLMo 3) are not supported"
+        )
     if architecture == "gemma2":  # no key for the query scale: llama.cpp's rule (27B: 46 layers)
         wide = values.get("num_hidden_layers") == 46
         heads = values.get("num_attention_heads", 1)
