@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,7 @@ from delspec.cache import file_key
 from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.model.architectures import FAMILIES, config_from_hf
+from delspec.model.modules import rope_attention_factor
 from delspec.weights import gguf_file
 from delspec.weights.gguf_file import INDEX, GGUFFile
 from delspec.weights.gguf_header import read_header
@@ -111,7 +113,18 @@ def write_gguf(
         writer.add_unk_token_id(0)  # its tokenizer class needs one
     if architecture == "phi3":
         writer.add_pad_token_id(EOS)  # (Phi3Config's default lies outside the tiny vocabulary)
-    if rope["rope_type"] == "llama3":
+    rotated = rope.get("partial_rotary_factor", 1.0)
+    if rotated != 1.0:  # as llama.cpp's converter writes Phi-4-mini's rotated share
+        writer.add_rope_dimension_count(int(rotated * c.hidden_size // c.num_attention_heads))
+    if rope["rope_type"] == "longrope":  # ...and its longrope factors
+        original = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("short", "long"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    elif rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(c))
     elif rope["rope_type"] != "default":
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
@@ -535,6 +548,28 @@ def tiny_gemma3() -> PreTrainedModel:
     )
 
 
+def tiny_phi4() -> Phi3ForCausalLM:
+    """A tiny Phi-4-mini: a quarter of each head's values not rotated, longrope (whose short
+    factors serve the original 64 positions)."""
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=2, pad_token_id=None)
+    shape["max_position_embeddings"] = 256
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.3 * i for i in range(6)],
+        "long_factor": [2.0 + 0.5 * i for i in range(6)],
+    }
+    config = Phi3Config(
+        **shape,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=64,
+        rope_scaling=rope,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    return Phi3ForCausalLM(config).eval()
+
+
 def tiny_gemma2() -> Gemma2ForCausalLM:
     """A tiny Gemma 2 in what a GGUF file can say of one (alternating windows, the query scale
     llama.cpp derives), its caps small enough that random weights' scores and logits meet them."""
@@ -576,6 +611,7 @@ LAYOUTS = {
     "smollm3": tiny_smollm3,
     "granite": tiny_granite,
     "phi3": tiny_phi3,
+    "phi4": tiny_phi4,
     "olmo2": tiny_olmo2,
     "gemma2": tiny_gemma2,
     "gemma3": tiny_gemma3,
@@ -591,6 +627,12 @@ def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layou
     names = ["rms_eps", "attn_scale", "embedding_multiplier", "residual_multiplier"]
     floats = {name: getattr(theirs, name) for name in [*names, "logits_scaling"]}  # float32
     assert {name: getattr(ours, name) for name in floats} == pytest.approx(floats)
+    if layout == "phi4":  # float32 factors and the attention factor llama.cpp writes
+        for name in ("short_factor", "long_factor"):
+            assert ours.rope_scaling[name] == pytest.approx(theirs.rope_scaling[name])
+        factors = [rope_attention_factor(c.rope_scaling) for c in (ours, theirs)]
+        assert factors[0] == pytest.approx(factors[1]) and factors[0] > 1.0
+        floats["rope_scaling"] = theirs.rope_scaling
     assert replace(ours, **floats) == theirs
     text = "hello world, hello gguf"
     # what the converted directory of earlier versions held (transformers' tokenizer, saved;
@@ -741,8 +783,8 @@ def test_gguf_header_matches_the_gguf_packages_reader(tmp_path):
         assert ours[key] == (pytest.approx(value) if isinstance(value, float) else value), key
 
 
-# (transformers reads no GGUF file of these)
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3", "granite", "olmo2"}))
+# (transformers reads no GGUF file of these, nor Phi-4-mini's RoPE)
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"smollm3", "granite", "olmo2", "phi4"}))
 def test_gguf_config_is_transformers_own(tmp_path, layout):
     """The config made from the header is the one transformers' GGUF loader makes, except for
     a head size the file declares (`attention.key_length`), which transformers' table for

@@ -14,6 +14,8 @@ from transformers import (
     LlamaForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -57,6 +59,20 @@ GEMMA2_CAPPED = dict(
     sliding_window=5,
     hidden_activation="gelu_pytorch_tanh",
 )
+# Phi-4-mini's RoPE in miniature: a quarter of each head's values not rotated, longrope's short
+# factors and attention factor (24 positions: within the original 64)
+PHI4_MINI_ROPE = dict(
+    num_key_value_heads=2,
+    pad_token_id=None,
+    partial_rotary_factor=0.75,
+    max_position_embeddings=256,
+    original_max_position_embeddings=64,
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.3 * i for i in range(6)],
+        "long_factor": [2.0 + 0.5 * i for i in range(6)],
+    },
+)
 SHAPES = [
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=False)),
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
@@ -77,6 +93,7 @@ SHAPES = [
     ),
     (Gemma2Config, Gemma2ForCausalLM, GEMMA2_CAPPED),  # capped scores and logits
     (Olmo2Config, Olmo2ForCausalLM, dict(num_key_value_heads=2)),  # norms after, q/k over heads
+    (Phi3Config, Phi3ForCausalLM, PHI4_MINI_ROPE),  # 3/4 of each head rotated, longrope
 ]
 
 

@@ -41,7 +41,7 @@ FAMILIES: dict[str, Family] = {
         sliding_everywhere=True,
         fused_tensors=True,
         gguf="phi3",
-        differs="fused qkv and gate/up tensors, a sliding window on every layer",
+        differs="fused qkv and gate/up tensors, a sliding window on every layer, partial RoPE",
     ),
     # scalar multipliers (`ModelConfig`)
     "granite": Family(gguf="granite", differs="embedding, residual, attention, logit scales"),
@@ -103,6 +103,9 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     attn_softcap: float | None = None  # scores capped to c * tanh(score / c) (Gemma 2)
     nope_layers: tuple[int, ...] = ()  # layers whose queries and keys get no RoPE (SmolLM3)
+    # rotated values of a head (None: all): the first `rotary_dim` of a checkpoint's head (Phi-4),
+    # computed in the order `rope_order` gives them
+    rotary_dim: int | None = None
     # Granite: embeddings times `embedding_multiplier`, each layer's attention and MLP outputs
     # times `residual_multiplier` before they join the residual, logits divided by
     # `logits_scaling` (its `attention_multiplier` is the softmax scale).
@@ -125,6 +128,22 @@ class ModelConfig:
             return "none"
         local = self.is_sliding(layer) and self.rope_local_theta is not None
         return "local" if local else "global"
+
+    def rope_order(self) -> list[int] | None:
+        """Where each of a head's query and key values is computed, by a checkpoint's value
+        order (None: as stored). The kernels rotate value j with value j + head_dim / 2; a
+        checkpoint that rotates only its first `rotary_dim` values pairs value i with
+        i + rotary_dim / 2, so the rotated pairs are moved onto the kernels' pairs and the
+        values that are not rotated fill the rest (their table entries: cos 1, sin 0). Queries
+        and keys move alike, so their products are unchanged."""
+        if self.rotary_dim is None:
+            return None
+        half, rotated = self.head_dim // 2, self.rotary_dim // 2
+        passed = (self.head_dim - self.rotary_dim) // 2
+        first = [*range(rotated), *range(self.rotary_dim, self.rotary_dim + passed)]
+        second = [*range(rotated, self.rotary_dim), *range(self.rotary_dim + passed, self.head_dim)]
+        assert len(first) == len(second) == half
+        return first + second
 
     @property
     def softmax_scale(self) -> float:
@@ -159,10 +178,26 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_theta, rope_scaling, rope_local_theta = _rope(hf)
         params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
+        rotary_dim = int(head_dim * float(partial if partial is not None else 1.0))
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ModelFormatError(
-                f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported"
+                f"partial_rotary_factor {partial} gives {rotary_dim} rotated values of a "
+                f"{head_dim}-value head (an even count up to the head is needed)"
             )
+        if rotary_dim < head_dim and FAMILIES[model_type].qk_norm:
+            raise ModelFormatError("partial rotary embeddings with q/k norms are not supported")
+        max_position = int(hf.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "longrope":
+            # the short factors' range: beyond it transformers rotates every position anew by
+            # the long ones, which a cache of rotated keys cannot follow
+            original = rope_scaling.get("original_max_position_embeddings")
+            original = original or hf.get("original_max_position_embeddings") or max_position
+            rope_scaling = {
+                **rope_scaling,
+                "original_max_position_embeddings": int(original),
+                "max_position_embeddings": max_position,
+            }
+            max_position = min(max_position, int(original))
         family = FAMILIES[model_type]
         num_layers = int(hf["num_hidden_layers"])
         layer_types = _layer_types(hf, family, num_layers)
@@ -180,10 +215,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            max_position=int(hf.get("max_position_embeddings", 2048)),
+            max_position=max_position,
             rms_eps=float(hf.get("rms_norm_eps", 1e-6 if family.embed_scale else 1e-5)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             tie_embeddings=bool(hf.get("tie_word_embeddings", family.embed_scale)),
             sliding_window=int(sliding_window) if sliding_window else None,
             layer_types=layer_types,

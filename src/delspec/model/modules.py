@@ -126,13 +126,17 @@ def rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:
-    """Inverse RoPE frequencies (float32, as transformers computes them), with `scaling` (a
-    transformers `rope_scaling` dict: linear or llama3) applied."""
+    """Inverse RoPE frequencies (float32, as transformers computes them) of `head_dim` rotated
+    values, with `scaling` (a transformers `rope_scaling` dict: linear, llama3, or longrope's
+    short factors: see `config_from_hf`) applied."""
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * theta**steps)
     inv_freq = 1.0 / (theta**steps)
     if scaling is None:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor
@@ -145,14 +149,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelFormatError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ModelFormatError(
+        f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)"
+    )
 
 
-def rope_table(inv_freq: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables `[length, head_dim]` in the rotate-half layout."""
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What longrope multiplies its cos and sin tables by (transformers' default where the
+    config gives none); 1 for every other kind."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_table(
+    inv_freq: Tensor, length: int, dtype: torch.dtype, head_dim: int | None = None, scale=1.0
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables `[length, head_dim]` in the rotate-half layout, the rotated values'
+    multiplied by `scale`. With a `head_dim` beyond twice `inv_freq`'s length, the values past
+    each half's rotated ones are not rotated (cos 1, sin 0: `ModelConfig.rope_order`)."""
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    rest = (head_dim or 2 * len(inv_freq)) // 2 - len(inv_freq)
+    if rest:
+        cos = torch.cat([cos, torch.ones(length, rest)], dim=-1)
+        sin = torch.cat([sin, torch.zeros(length, rest)], dim=-1)
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

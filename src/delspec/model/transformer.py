@@ -29,7 +29,14 @@ from delspec.kernels.products import (
     row_bucket,
 )
 from delspec.model.architectures import ModelConfig
-from delspec.model.modules import Block, Linear, rms_norm, rope_inv_freq, rope_table
+from delspec.model.modules import (
+    Block,
+    Linear,
+    rms_norm,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_table,
+)
 
 # The weight formats a model can be held in (see `Transformer.weights`).
 WEIGHT_FORMATS = ("native", "int8", "float")
@@ -240,14 +247,17 @@ class Transformer(nn.Module):
         """cos, sin `[length, head_dim]` of a `ModelConfig.rope_kind`. Gemma 3's local layers
         use their own base without the global layers' scaling; "none" rotates by nothing."""
         cfg = self.config
+        rotated, scale = cfg.rotary_dim or cfg.head_dim, 1.0
         if kind == "none":
-            inv_freq = torch.zeros(cfg.head_dim // 2)
+            inv_freq = torch.zeros(rotated // 2)
         elif kind == "local":
             local = cfg.rope_local_theta
-            inv_freq = rope_inv_freq(cfg.head_dim, local if local is not None else cfg.rope_theta)
+            inv_freq = rope_inv_freq(rotated, local if local is not None else cfg.rope_theta)
         else:
-            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        return tuple(t.to(self.device) for t in rope_table(inv_freq, length, self.dtype))
+            inv_freq = rope_inv_freq(rotated, cfg.rope_theta, cfg.rope_scaling)
+            scale = rope_attention_factor(cfg.rope_scaling)
+        tables = rope_table(inv_freq, length, self.dtype, cfg.head_dim, scale)
+        return tuple(t.to(self.device) for t in tables)
 
     def embed(self, ids: Tensor | Sequence[int]) -> Tensor:
         """Token ids `[tokens]` (a tensor, or a list: GGUF embeddings then look them up with no

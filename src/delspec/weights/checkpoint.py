@@ -87,10 +87,24 @@ def _init_random(module: nn.Module) -> None:
         nn.init.constant_(module.weight, 1.0 - module.offset)
 
 
+def qkv_row_order(config: ModelConfig) -> Tensor | None:
+    """The order in which a layer's fused q/k/v rows are taken from a checkpoint's (None: as
+    stored): each query and key head's values in `ModelConfig.rope_order`."""
+    order = config.rope_order()
+    if order is None:
+        return None
+    heads = config.num_heads + config.num_kv_heads  # the rotated ones; then the values
+    within = torch.tensor(order)
+    rotated = [h * config.head_dim + within for h in range(heads)]
+    values = torch.arange(heads * config.head_dim, (heads + config.num_kv_heads) * config.head_dim)
+    return torch.cat([*rotated, values])
+
+
 def checkpoint_weights(model: Transformer) -> Iterator[tuple[Tensor | None, tuple[str, ...], str]]:
     """Each of `model`'s parameters with the Hugging Face checkpoint weights (prefix-free names)
     it is made of, in row order, and the name an error calls it by; None for a parameter held
-    as blocks (`Transformer.use_blocks`)."""
+    as blocks (`Transformer.use_blocks`). A fused q/k/v's rows are then taken in
+    `qkv_row_order` (`load_hf_state_dict`)."""
     cfg, spec = model.config, model.config.spec
 
     def one(param: Tensor | None, name: str) -> tuple[Tensor | None, tuple[str, ...], str]:
@@ -134,6 +148,7 @@ def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
     """Load weights named as in a Hugging Face checkpoint into `model`, checking every shape.
     Weights held as blocks (`Transformer.use_blocks`) are neither read nor needed."""
     state = {strip_prefix(k): v for k, v in state.items()}
+    order = qkv_row_order(model.config)
     for param, names, label in checkpoint_weights(model):
         if param is None:  # held as blocks
             continue
@@ -141,6 +156,8 @@ def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
         if missing:
             raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
         value = torch.cat([state[name] for name in names])
+        if order is not None and label.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            value = value[order]
         if tuple(param.shape) != tuple(value.shape):
             raise ModelFormatError(
                 f"weight {label!r} has shape {tuple(value.shape)}, "

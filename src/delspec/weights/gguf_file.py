@@ -217,6 +217,10 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     key_length = header.metadata.get(f"{architecture}.attention.key_length")
     if key_length is not None and "head_dim" not in values:  # Qwen3's differs from hidden / heads
         values["head_dim"] = int(key_length)
+    rotated = header.metadata.get(f"{architecture}.rope.dimension_count")
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    if rotated is not None and int(rotated) < head_dim:  # Phi-4-mini: part of each head
+        values["partial_rotary_factor"] = int(rotated) / head_dim
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
     if architecture == "olmo2" and f"{architecture}.attention.sliding_window" in header.metadata:
@@ -294,15 +298,32 @@ def _carry_rope_scaling(
     """Put GGUF file `path`'s RoPE scaling (read from its `header`) into transformers `config`,
     whose GGUF reader drops it.
 
-    llama.cpp writes linear scaling as `{arch}.rope.scaling.type`/`.factor`, and Llama 3
-    scaling as a `rope_freqs` tensor of per-frequency divisors; the `llama3` parameters that
-    give those divisors are fitted back from them. Scaling applies to global-attention layers.
+    llama.cpp writes linear scaling as `{arch}.rope.scaling.type`/`.factor`, Llama 3 scaling
+    as a `rope_freqs` tensor of per-frequency divisors (the `llama3` parameters that give those
+    divisors are fitted back from them), and longrope as `rope_factors_short`/`_long` tensors
+    with the original context length and attention factor. Scaling applies to
+    global-attention layers.
     """
     kind = str(header.metadata.get(f"{architecture}.rope.scaling.type", "none"))
     factors = header.tensors.get("rope_freqs.weight")
+    short, long = (header.tensors.get(f"rope_factors_{n}.weight") for n in ("short", "long"))
     params = copy.deepcopy(config.rope_parameters)
     target = params.get("full_attention", params)  # Gemma 3: per attention type
-    if factors is not None:
+    if short is not None and long is not None:  # longrope (Phi-3/4 128k)
+        original = header.metadata[f"{architecture}.rope.scaling.original_context_length"]
+        read = [
+            np.fromfile(path, np.float32, t.nbytes // 4, offset=t.offset) for t in (short, long)
+        ]
+        target.update(
+            rope_type="longrope",
+            short_factor=read[0].tolist(),
+            long_factor=read[1].tolist(),
+            original_max_position_embeddings=int(original),
+        )
+        attention = header.metadata.get(f"{architecture}.rope.scaling.attn_factor")
+        if attention is not None:
+            target["attention_factor"] = float(attention)
+    elif factors is not None:
         count = factors.nbytes // 4
         values = np.fromfile(path, dtype=np.float32, count=count, offset=factors.offset)
         scaling = _llama3_scaling(torch.from_numpy(values), head_dim, target["rope_theta"])

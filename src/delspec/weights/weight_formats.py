@@ -16,13 +16,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from torch import Tensor
 
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight, kernel_type_names
 from delspec.kernels.build import library
 from delspec.model.architectures import ModelConfig
 from delspec.model.transformer import WEIGHT_FORMATS
-from delspec.weights.checkpoint import linear_parts
+from delspec.weights.checkpoint import linear_parts, qkv_row_order
 from delspec.weights.gguf_file import GGUFFile, gguf_layout
 from delspec.weights.tensor_sources import TensorSource, progress
 
@@ -69,6 +70,16 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     # llama.cpp interleaves the RoPE halves of the Llama layout (and of what it reads as one)
     permute = gguf_layout(file.architecture) == "llama"
+    # heads that rotate part of their values: their rows in `ModelConfig.rope_order`
+    partial: dict[str, Tensor] = {}
+    order = config.rope_order()
+    if order is not None:
+        within = torch.tensor(order)
+        for part, count in (*heads.items(), ("attn_qkv", None)):
+            if count is None:
+                partial[part] = qkv_row_order(config)
+            else:
+                partial[part] = torch.cat([h * config.head_dim + within for h in range(count)])
     wanted: dict[str, list[str]] = {"embedding": ["token_embd.weight"]}
     if "output.weight" in file.tensors:
         wanted["lm_head"] = ["output.weight"]
@@ -90,7 +101,12 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
         rows = []  # per tensor, its rows in the order the model takes them
         for name in names:
             raw, part = file.raw(name), name.split(".")[-2]
-            rows.append(_rope_rows(raw, heads[part]) if permute and part in heads else [raw])
+            if permute and part in heads:
+                rows.append(_rope_rows(raw, heads[part]))
+            elif part in partial:
+                rows.append(_ordered_rows(raw, partial[part]))
+            else:
+                rows.append([raw])
         cols, parts = file.tensors[names[0]].dims[-1], []
         # consecutive tensors of one type are repacked as one (cheaper than merging tiles)
         for kind, run in itertools.groupby(zip(kinds, rows, strict=True), key=lambda r: r[0]):
@@ -105,6 +121,17 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
             flush=True,
         )
     return blocks
+
+
+def _ordered_rows(raw: np.ndarray, order: Tensor) -> list[np.ndarray]:
+    """`raw`'s rows in `order`, as views of its runs of consecutive rows (no copy)."""
+    pieces, at = [], order.tolist()
+    start = 0
+    for i in range(1, len(at) + 1):
+        if i == len(at) or at[i] != at[i - 1] + 1:
+            pieces.append(raw[at[start] : at[i - 1] + 1])
+            start = i
+    return pieces
 
 
 def _rope_rows(raw: np.ndarray, heads: int) -> list[np.ndarray]:
@@ -130,7 +157,8 @@ def hf_names(modules: set[str], config: ModelConfig) -> set[str]:
 
 def check_layout(blocks: dict[str, BlockWeight], source: TensorSource, config: ModelConfig) -> None:
     """Check that the first layer's query and key block rows hold the values transformers
-    reads from the file, in its row order, or raise ModelFormatError."""
+    reads from the file, in its row order (`qkv_row_order` applied), or raise
+    ModelFormatError."""
     if "layers.0.attn.qkv" not in blocks:
         return
     if config.spec.fused_tensors:
@@ -138,6 +166,9 @@ def check_layout(blocks: dict[str, BlockWeight], source: TensorSource, config: M
         reference = source.get("layers.0.self_attn.qkv_proj.weight")[:qk]
     else:
         reference = torch.cat([source.get(f"layers.0.self_attn.{x}_proj.weight") for x in "qk"])
+    order = qkv_row_order(config)
+    if order is not None:  # the rows as the model takes them
+        reference = reference[order[: len(reference)]]
     values = blocks["layers.0.attn.qkv"].dequantize()[: len(reference)]
     if not torch.allclose(values, reference.float(), rtol=1e-3, atol=1e-4):
         raise ModelFormatError(
