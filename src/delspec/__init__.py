@@ -11,6 +11,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
 from delspec.decoding.generate import Result, Stats, generate
+from delspec.decoding.grammar import Grammar, json_grammar
 from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
 from delspec.weights.loading import LoadedModel, load_model
@@ -22,11 +23,13 @@ __all__ = [
     "DecodeConfig",
     "DelspecError",
     "DraftConfig",
+    "Grammar",
     "LoadedModel",
     "ModelFormatError",
     "Result",
     "Sampling",
     "Stats",
     "generate",
+    "json_grammar",
     "load_model",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding.grammar import Constraint, Grammar
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.sequence import Decoding, Stats, TokenLogprob
 from delspec.drafting.draft_head import draft_head
@@ -232,8 +233,10 @@ class TextDecoding:
         trace: bool = False,
         slot: int = 0,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         policy = make_policy(config, lm.model.num_layers)
+        constraint = None if grammar is None else Constraint(lm, grammar)
         self.strategy = policy.name
         self.decoding = Decoding(
             lm.model,
@@ -246,6 +249,7 @@ class TextDecoding:
             trace=trace,
             slot=slot,
             logprobs=logprobs,
+            constraint=constraint,
         )
         self.stream = TextStream(lm.tokenizer, prompt_ids, checked_stop(stop))
 
@@ -283,6 +287,7 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     trace: bool = False,
     logprobs: int | None = None,
+    grammar: Grammar | None = None,
     **options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
@@ -298,6 +303,8 @@ def generate(
     disconnected): once it returns true, generation ends with finish reason "cancelled".
     `logprobs=k`: the result's `logprobs` give each token's log-probability and the k most
     likely tokens' (the model's own distribution, the same under every strategy).
+    `grammar` (`json_grammar(schema)`: JSON matching a schema, or any JSON object) constrains
+    the output to it (needs the `grammar` extra); every strategy gives constrained `ar`'s tokens.
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
     `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
@@ -314,6 +321,7 @@ def generate(
         stop=stop,
         trace=trace,
         logprobs=logprobs,
+        grammar=grammar,
     )
     emit = on_text or (lambda piece, kind: None)
     text.decoding.start()
