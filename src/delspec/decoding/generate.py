@@ -124,10 +124,13 @@ class TextStream:
         return pieces
 
 
-def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[int]:
-    """Token ids of text, of a chat conversation (through the model's chat template; `chat=True`
-    wraps text as one user message, which must not be empty), or of token ids (checked against
-    the vocabulary). `ConfigError` for anything else."""
+def encode_prompt(
+    lm: LoadedModel, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of text, of a chat conversation (through the model's chat template, with
+    `tools` for a template that takes them; `chat=True` wraps text as one user message, which
+    must not be empty), or of token ids (checked against the vocabulary). `ConfigError` for
+    anything else."""
     if isinstance(prompt, str) and chat:
         if not prompt:
             raise ConfigError("the chat message is empty")
@@ -140,7 +143,7 @@ def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[i
             f"{{'role', 'content'}} dicts), got {type(prompt).__name__}"
         )
     if prompt and all(isinstance(m, dict) for m in prompt):
-        text = lm.apply_chat_template(_checked_conversation(prompt))
+        text = lm.apply_chat_template(_checked_conversation(prompt), tools)
         return lm.tokenizer.encode(text, add_special_tokens=False)
     ids = list(prompt)
     vocab = lm.model.config.vocab_size

@@ -97,9 +97,13 @@ def grammar_tokenizer(lm: LoadedModel) -> Any:
     key = (vocab, eos)
     if key not in made:
         try:
-            made[key] = llguidance.hf.from_tokenizer(lm.tokenizer, n_vocab=vocab, eos_token=list(eos))
+            made[key] = llguidance.hf.from_tokenizer(
+                lm.tokenizer, n_vocab=vocab, eos_token=list(eos)
+            )
         except Exception as exc:  # a slow (Python) tokenizer, or one llguidance cannot read
-            raise DelspecError(f"structured output is not available for this tokenizer: {exc}")
+            raise DelspecError(
+                f"structured output is not available for this tokenizer: {exc}"
+            ) from None
     return made[key]
 
 

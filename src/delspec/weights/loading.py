@@ -61,12 +61,13 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
     load_seconds: float | None = None  # how long `load_model` took
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opening."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (and the JSON descriptions of `tools`, for a template
+        that takes them), ending with the assistant's turn opening."""
         if not self.tokenizer.chat_template:
             raise DelspecError(f"model {self.name} has no chat template; pass a plain prompt")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
 
     def describe(self) -> dict[str, Any]:
