@@ -20,6 +20,7 @@ from helpers import CHAT, TEXT, TIMEOUT, assert_error, tiny_lm
 
 from delspec.decoding.generate import encode_prompt, generate
 from delspec.decoding.grammar import Constraint, grammar_available, json_grammar
+from delspec.errors import ConfigError
 from delspec.server import create_app
 from delspec.server import serving as running
 from delspec.weights.loading import LoadedModel
@@ -359,3 +360,11 @@ def test_a_template_that_takes_tools_renders_them(smollm2: LoadedModel) -> None:
     text = lm.tokenizer.decode(encode_prompt(lm, messages, tools=specs))
     assert json.dumps(TIME) in text or '"get_time"' in text.split("<tools>")[1]
     assert '"arguments": {"zone": "UTC"}' in text and "<tool_response>\n12:00" in text
+
+
+def test_a_template_that_refuses_the_conversation_is_a_config_error(smollm2: LoadedModel) -> None:
+    lm = tiny_lm(smollm2)
+    lm.tokenizer = copy.deepcopy(smollm2.tokenizer)
+    lm.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ConfigError, match="roles must alternate"):
+        encode_prompt(lm, ASK_PERSON)
