@@ -18,6 +18,7 @@ import pydantic
 import pytest
 from helpers import CHAT, TEXT, TIMEOUT, assert_error, tiny_lm
 
+from delspec.cli import main
 from delspec.decoding.generate import encode_prompt, generate
 from delspec.decoding.grammar import Constraint, grammar_available, json_grammar
 from delspec.errors import ConfigError
@@ -368,3 +369,25 @@ def test_a_template_that_refuses_the_conversation_is_a_config_error(smollm2: Loa
     lm.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ConfigError, match="roles must alternate"):
         encode_prompt(lm, ASK_PERSON)
+
+
+@needs_grammar
+def test_generate_json_schema_from_the_command_line(
+    smollm2: LoadedModel, tmp_path: Any, capsys: pytest.CaptureFixture
+) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    prompt = ASK_PERSON[0]["content"]
+    argv = ["generate", prompt, "--chat", "--json", "--max-new-tokens", "80"]
+    assert main([*argv, "--json-schema", str(schema)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expect = generate(smollm2, ASK_PERSON, grammar=json_grammar(PERSON), max_new_tokens=80)
+    assert out["token_ids"] == expect.token_ids
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    assert main([*argv, "--json-object"]) == 0
+    assert isinstance(json.loads(json.loads(capsys.readouterr().out)["text"]), dict)
+    for content, message in [("{bad", "is not JSON"), ('{"type": "x"}', "is not supported")]:
+        schema.write_text(content)
+        assert main([*argv, "--json-schema", str(schema)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"delspec: error: --json-schema {schema}") and message in err
