@@ -119,13 +119,14 @@ def conversation(
     for message in messages:
         content = message.content or ""
         calls = [
-            (c.function.name, _arguments(c.function.arguments)) for c in message.tool_calls or []
+            (c.id, c.function.name, _arguments(c.function.arguments)) for c in message.tool_calls
         ]
         if native:
             entry: dict[str, Any] = {"role": message.role, "content": content}
             if calls:
                 entry["tool_calls"] = [
-                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                    for i, n, a in calls
                 ]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
@@ -135,7 +136,8 @@ def conversation(
         else:
             text = [content] if content else []
             text += [
-                _CALL_OPEN + json.dumps({"name": n, "arguments": a}) + _CALL_CLOSE for n, a in calls
+                _CALL_OPEN + json.dumps({"name": n, "arguments": a}) + _CALL_CLOSE
+                for _, n, a in calls
             ]
             out.append({"role": message.role, "content": "\n".join(text)})
     if not tools:
