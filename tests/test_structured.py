@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pydantic
 import pytest
+import torch
 from helpers import CHAT, TEXT, TIMEOUT, assert_error, tiny_lm
+from scipy.stats import chisquare
 
 from delspec.cli import main
 from delspec.decoding.generate import encode_prompt, generate
 from delspec.decoding.grammar import Constraint, grammar_available, json_grammar
+from delspec.decoding.sampling import Sampler, Sampling
 from delspec.errors import ConfigError
 from delspec.server import create_app
 from delspec.server import serving as running
@@ -391,3 +396,58 @@ def test_generate_json_schema_from_the_command_line(
         assert main([*argv, "--json-schema", str(schema)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"delspec: error: --json-schema {schema}") and message in err
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"top_p": 0.8}, {"top_k": 5, "min_p": 0.05}, {"frequency_penalty": 1.0}]
+)
+def test_masked_draws_follow_the_masked_distribution(options: dict[str, Any]) -> None:
+    """What the engine does to a row under a grammar (disallowed logits at -inf), drawn by
+    `Sampler`: never a masked token, and the frequencies of the processed distribution over
+    the allowed tokens (chi-square, significance 0.001)."""
+    vocab, samples = 40, 3000
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(vocab, generator=generator, dtype=torch.float64) * 2
+    allowed = np.zeros(vocab, dtype=bool)
+    allowed[::3] = True
+    row = logits.numpy().copy()
+    row[~allowed] = -np.inf
+    sampling = Sampling(0.9, seed=7, **options)
+    sampler = Sampler(sampling, vocab, prompt=[1, 2])
+    before = [3, 3] if options.get("frequency_penalty") else []
+    counts = Counter(sampler.draw(row, p, before, confidence=False)[0] for p in range(samples))
+    assert set(counts) <= set(np.flatnonzero(allowed).tolist())
+    masked = torch.from_numpy(row)
+    expected = sampling.probs(masked, [1, 2], before).numpy()
+    support = np.flatnonzero(expected > 0)
+    observed = [counts.get(int(t), 0) for t in support]
+    assert sum(observed) == samples
+    assert chisquare(observed, expected[support] * samples).pvalue > 0.001
+
+
+def test_replies_are_read_for_tool_calls() -> None:
+    from delspec.server.openai_types import Tool
+    from delspec.server.structured import CallFilter, parse_calls
+
+    tools = [Tool(**WEATHER), Tool(**TIME)]
+    text = 'Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    text += '</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    content, calls = parse_calls(text, tools, forced=False)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls[0]["id"].startswith("call_") and content.startswith("Let me look.")
+    assert parse_calls("No call here.", tools, forced=False) == ("No call here.", [])
+    unclosed = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    assert parse_calls(unclosed, tools, forced=False)[1][0]["function"]["name"] == "get_time"
+    forced = parse_calls('{"name":"get_time","arguments":{"zone":"JST"}}', tools, forced=True)
+    assert forced[0] is None and forced[1][0]["function"]["arguments"] == '{"zone": "JST"}'
+
+    held = CallFilter(forced=False)
+    pieces = [held.push(p) for p in ["Let me ", "look. <tool", "_call>{", '"name": "get_time", ']]
+    pieces.append(held.push('"arguments": {"zone": "CET"}}</tool_call>'))
+    assert "".join(pieces) == "Let me look. "
+    rest, calls = held.finish(tools)
+    assert rest == "" and calls[0]["function"]["name"] == "get_time"
+    plain = CallFilter(forced=False)
+    assert plain.push("a <tool") == "a " and plain.push(" box") == "<tool box"
+    assert plain.finish(tools) == ("", [])
