@@ -451,3 +451,39 @@ def test_replies_are_read_for_tool_calls() -> None:
     plain = CallFilter(forced=False)
     assert plain.push("a <tool") == "a " and plain.push(" box") == "<tool box"
     assert plain.finish(tools) == ("", [])
+
+
+@needs_grammar
+def test_a_draft_vocabulary_the_grammar_allows_nothing_of_stops_drafting(
+    smollm2: LoadedModel,
+) -> None:
+    """Drafts from a pruned vocabulary without a token the grammar allows end before their
+    first token (the pass that found none is not kept); the tokens stay constrained ar's."""
+    from helpers import AtLevel
+
+    from delspec.decoding.sequence import Decoding
+    from delspec.drafting.draft_head import DraftHead
+    from delspec.drafting.exit_head import ExitHead
+    from delspec.policies import make_policy
+
+    lm = tiny_lm(smollm2)
+    grammar = json_grammar(PERSON)
+    prompt = encode_prompt(lm, ASK_PERSON)
+
+    def tokens(policy: Any, head: ExitHead | None = None) -> list[int]:
+        decoding = Decoding(
+            lm.model, prompt, policy, max_new_tokens=30, eos_token_ids=lm.eos_token_ids,
+            exit_head=head, constraint=Constraint(lm, grammar),
+        )  # fmt: skip
+        decoding.start()
+        while not decoding.done:
+            decoding.advance()
+        return decoding.finish().token_ids
+
+    # word pieces, none of which can open the JSON; the largest level is the whole vocabulary
+    pieces = torch.arange(1000, 1100)
+    head = DraftHead(lm.model, vocab=[pieces, None], context_vocab=False)
+    layers = lm.model.num_layers
+    expect = tokens(make_policy("ar", layers))
+    for level in (0, 1):
+        assert tokens(AtLevel(layers, level, exit_layer=2, draft_length=3), head) == expect

@@ -254,7 +254,10 @@ class Engine:
                 draft.early.append(torch.stack(layers))
             allowed = self._allowed(draft)
             drawn = self._draft_token(h[-1:], exit_layer, level, draft.tokens, allowed)
-            if drawn is None:  # the grammar allows none of the head's tokens here
+            if drawn is None:  # the grammar allows none of the head's tokens: this pass's
+                draft.states.pop()  # states are not kept (verification runs its input)
+                if layers is not None:
+                    draft.early.pop()
                 break
             token, confidence = drawn
             draft.tokens.append(token)
