@@ -203,7 +203,8 @@ class Service:
     ) -> Response:
         """Generate and reply, under `grammar` (else the request's `response_format`'s), the
         reply's text read for tool `calls`."""
-        if grammar is None:
+        shaped = body.response_format is not None and body.response_format.type != "text"
+        if grammar is None and shaped:  # off the event loop: a first use reads the vocabulary
             grammar = await asyncio.to_thread(format_grammar, self.lm, body.response_format)
         job = self._submit(body, prompt_ids, limit, limit_param, logprobs, grammar)
         usage = body.stream_options is not None and body.stream_options.include_usage
