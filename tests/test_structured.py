@@ -293,6 +293,10 @@ def test_a_named_tool_choice_forces_a_valid_call(url: str, smollm2: LoadedModel)
     [call] = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+    body = {"messages": ask, "max_tokens": 4, "tools": [bad], "tool_choice": "required"}
+    error = assert_error(httpx.post(url + CHAT, json=body, timeout=TIMEOUT), 400, "tools")
+    assert "parameters" in error["message"]
 
 
 def test_bad_tool_requests_are_400s_naming_the_field(url: str) -> None:
