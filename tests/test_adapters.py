@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import save_hf_dir, tiny_model
 
+from delspec.calibration.calibrate import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.decoding.sampling import Sampling
@@ -20,7 +21,6 @@ from delspec.drafting.adapters import (
     load_adapters,
     save_adapters,
 )
-from delspec.drafting.calibration import fit_adapters, read_prompts
 from delspec.drafting.draft_head import DraftHead, draft_head
 from delspec.drafting.draft_vocab import fallback_ranking, top_tokens, vocabulary_sizes
 from delspec.drafting.exit_head import ExitHead

@@ -276,6 +276,65 @@ def test_a_profile_times_a_sample_of_row_counts_and_interpolates_between(monkeyp
     assert measured.head == pytest.approx([0.05 * k for k in range(1, 13)])
 
 
+def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypatch):
+    """A quick profile: layers and head at `quick_counts` (and the far slope's counts), one
+    take of `QUICK_ROUNDS` rounds, one cycle in decoding without an untimed one, one step after
+    each round, fewer rounds of draft heads; a thorough one at `row_counts`, until two takes
+    agree, as many cycles as the budget holds."""
+    model = tiny_model(seed=0)
+    calls = []
+
+    def timings(runs, rounds, device=None, tries=3, warm=True):
+        calls.append((rounds, tries, warm, sorted(key[-1] for key in runs if key[0] == "head")))
+        return dict.fromkeys(runs, 0.01), True
+
+    def in_decoding(model, states, context, cycles, **options):
+        calls.append((cycles, options["warm"], options["linger"], options["counts"]))
+        return [1.0 + k for k in range(len(states))], [0.0] * len(states)
+
+    def draft_heads(head, exit_layer, rounds):
+        calls.append(rounds)
+        return [0.001], True
+
+    monkeypatch.setattr(cost_profile, "settled_seconds", timings)
+    monkeypatch.setattr(cost_profile, "measure_in_decoding", in_decoding)
+    monkeypatch.setattr(cost_profile, "measure_draft_heads", draft_heads)
+    quick = cost_profile.measure_profile(ExitHead(model), 2, 12, context=8, far=16, quick=True)
+    counts = cost_profile.quick_counts(12)
+    assert counts == [1, 2, 4, 6, 12] and quick.quick and len(quick.layer) == 12
+    assert calls == [
+        (cost_profile.QUICK_ROUNDS, 1, False, counts),
+        (1, False, 1, counts),
+        cost_profile.QUICK_DRAFT_HEAD_ROUNDS,
+    ]
+    calls.clear()
+    thorough = cost_profile.measure_profile(ExitHead(model), 2, 12, context=8, far=16)
+    every = cost_profile.row_counts(12)
+    assert not thorough.quick and len(every) > len(counts)
+    assert calls == [
+        (3, 3, True, sorted({*every, 6})),
+        (cost_profile.IN_DECODING_CYCLES, True, cost_profile.LINGER_STEPS, every),
+        cost_profile.DRAFT_HEAD_ROUNDS,
+    ]
+
+
+def test_a_first_profile_is_quick_and_a_thorough_one_replaces_it_when_asked(tmp_path):
+    """Measured quick where none is stored; asked for a thorough one, a quick one is measured
+    again thoroughly (draft heads too) and stored; a thorough one serves either ask."""
+    head = CountingHead(tiny_model(seed=0))
+    quick = cached_profile(head, 2, 4, tmp_path)
+    assert quick.quick and cached_profile(head, 2, 4, tmp_path).quick
+    measured = CountingHead.calls
+    thorough = cached_profile(head, 2, 4, tmp_path, thorough=True)
+    assert not thorough.quick and CountingHead.calls > measured
+    (path,) = tmp_path.glob("profile-*.json")
+    assert json.loads(path.read_text())["quick"] is False
+    measured = CountingHead.calls
+    for ask in (True, False):
+        again = cached_profile(head, 2, 4, tmp_path, thorough=ask)
+        assert again == thorough and not again.quick and CountingHead.calls == measured
+
+
 @pytest.mark.parametrize(
     ("budget_s", "timed"), [(0.0, cost_profile.IN_DECODING_MIN_CYCLES), (1e9, 5)]
 )

@@ -1,6 +1,7 @@
 """Every strategy is lossless on every supported family's layout, in float and on GGUF blocks:
 what an early exit means (the final norm and head over a layer's hidden state) is the same
-contract whatever the layer holds (head norms, q/k/v bias, sandwich norms, sliding windows)."""
+contract whatever the layer holds (head norms, q/k/v bias, sandwich norms, sliding windows,
+capped scores)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ FAMILIES = {
         "residual_multiplier": 0.5,
         "logits_scaling": 3.0,
         "attn_scale": 0.1,
+    },
+    "gemma2": {
+        "family": "gemma2",
+        "sliding_window": 4,
+        "layer_types": ("sliding_attention", "full_attention") * 3,
+        "attn_softcap": 0.5,
+        "final_logit_softcap": 2.0,
     },
     "gemma3_text": {
         "family": "gemma3_text",

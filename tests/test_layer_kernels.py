@@ -23,9 +23,9 @@ HEADS, KV_HEADS, DIM, LENGTH = 6, 2, 16, 40
 T = gguf.GGMLQuantizationType
 
 
-def reference(qkv, cos, sin, cache, start, window, scale, norms):
+def reference(qkv, cos, sin, cache, start, window, scale, norms, softcap=None):
     """Torch's attention (float64) of qkv rows at positions start.., with the cache's earlier
-    positions as keys and values."""
+    positions as keys and values (scores capped to softcap * tanh(score / softcap) if given)."""
     n = qkv.shape[0]
     q, k, v = qkv.double().split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
     q = q.view(n, HEADS, DIM).transpose(0, 1)
@@ -43,13 +43,17 @@ def reference(qkv, cos, sin, cache, start, window, scale, norms):
     allowed = (cols <= rows) & ((cols > rows - window) if window else True)
     group = HEADS // KV_HEADS
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+    scores = q @ keys.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values
     return out.transpose(0, 1).reshape(n, -1), k, v
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_norms", [False, True])
-def test_matches_reference_and_writes_the_cache(window, with_norms):
+def test_matches_reference_and_writes_the_cache(window, with_norms, softcap):
     torch.manual_seed(0)
     cos, sin = rope_table(rope_inv_freq(DIM, 10000.0), LENGTH, torch.float32)
     cache = torch.randn(2, KV_HEADS, LENGTH, DIM)
@@ -57,9 +61,12 @@ def test_matches_reference_and_writes_the_cache(window, with_norms):
     qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM)
     norms = (torch.rand(DIM) + 0.5, torch.rand(DIM) + 0.5, 1e-6, 1.0) if with_norms else None
     tables = cos[start : start + n], sin[start : start + n]
-    expected, k, v = reference(qkv, *tables, cache, start, window, 0.3, norms)
-    got = attention.fused_attention(qkv, *tables, cache, start, HEADS, window, 0.3, norms)
+    expected, k, v = reference(qkv, *tables, cache, start, window, 0.3, norms, softcap)
+    got = attention.fused_attention(qkv, *tables, cache, start, HEADS, window, 0.3, norms, softcap)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+    if softcap:  # the cap bites: uncapped scores give other outputs
+        uncapped, _, _ = reference(qkv, *tables, cache, start, window, 0.3, norms)
+        assert not torch.allclose(uncapped, expected, atol=1e-3)
     torch.testing.assert_close(cache[0, :, start : start + n].double(), k, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache[1, :, start : start + n].double(), v)
 
@@ -176,6 +183,13 @@ FAMILIES = {
     "qwen3 (head norms)": {"family": "qwen3"},
     "smollm3 (layers without RoPE)": {"family": "smollm3", "nope_layers": (0, 3)},
     "granite (multipliers)": {"family": "granite", "residual_multiplier": 0.4, "attn_scale": 0.2},
+    "gemma2 (sandwich norms, GELU, sliding window, capped scores)": {
+        "family": "gemma2",
+        "sliding_window": 4,
+        "layer_types": ("sliding_attention", "full_attention") * 3,
+        "attn_softcap": 0.5,
+        "final_logit_softcap": 2.0,
+    },
     "gemma3 (head norms, sandwich norms, GELU, sliding window)": {
         "family": "gemma3_text",
         "sliding_window": 4,

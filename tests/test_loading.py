@@ -32,6 +32,8 @@ from tiny_models import (
 from transformers import (
     AutoConfig,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
@@ -50,6 +52,7 @@ from transformers import (
 
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
+from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.model.architectures import FAMILIES, config_from_hf
 from delspec.weights import gguf_file
@@ -67,9 +70,12 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
 
 
-def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> Path:
+def write_gguf(
+    model: PreTrainedModel, path: Path, qtype: int | None = None, scores: list[float] | None = None
+) -> Path:
     """A GGUF of tiny transformers Llama, Qwen2 or Gemma 3 `model` with the tiny tokenizer, as
-    llama.cpp's converter would write it; linear weights in `qtype` (default: float32)."""
+    llama.cpp's converter would write it; linear weights in `qtype` (default: float32); token
+    `scores` where given."""
     c = model.config
     architecture = FAMILIES[c.model_type].gguf
     names = gguf.get_tensor_name_map(
@@ -94,9 +100,12 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
         writer.add_residual_scale(c.residual_multiplier)
         writer.add_attention_scale(c.attention_multiplier)
         writer.add_logit_scale(c.logits_scaling)
-    if architecture in ("gemma3", "phi3") and c.sliding_window:
+    if architecture in ("gemma2", "gemma3", "phi3") and c.sliding_window:
         writer.add_sliding_window(c.sliding_window)
-    if architecture == "gemma3":
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if architecture in ("gemma2", "gemma3"):
         writer.add_unk_token_id(0)  # its tokenizer class needs one
     if architecture == "phi3":
         writer.add_pad_token_id(EOS)  # (Phi3Config's default lies outside the tiny vocabulary)
@@ -110,6 +119,8 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
     writer.add_token_list(TOKENS)
     writer.add_token_types([1] * BOS + [3, 3])
     writer.add_token_merges([" ".join(m) for m in MERGES])
+    if scores is not None:
+        writer.add_token_scores(scores)
     writer.add_bos_token_id(BOS)
     writer.add_eos_token_id(EOS)
     writer.add_chat_template(TEMPLATE)
@@ -121,7 +132,7 @@ def write_gguf(model: PreTrainedModel, path: Path, qtype: int | None = None) -> 
         if architecture in ("llama", "smollm3", "granite") and base.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if "q_proj" in base else c.num_key_value_heads
             array = llama_cpp_permute(array, heads)
-        if architecture == "gemma3" and base.endswith("norm"):
+        if architecture in ("gemma2", "gemma3") and base.endswith("norm"):
             array = array + 1  # llama.cpp stores Gemma's norm scales with their offset
         raw_type = None
         if qtype is not None and array.ndim == 2:
@@ -325,6 +336,22 @@ def test_model_depth_is_read_from_the_config_or_header_alone(tmp_path, cache, hf
 # --- GGUF files -----------------------------------------------------------------------------
 
 
+def test_a_gguf_file_s_token_scores_are_read_from_its_cache_entry(tmp_path, cache):
+    """A load keeps the file's token scores in its cache entry; the draft vocabulary's ranking
+    reads them there (the header's token texts are not parsed again), the same as from the
+    header before any load."""
+    scores = [float(-(i * 7 % len(TOKENS))) for i in range(len(TOKENS))]
+    path = write_gguf(tiny_hf_llama(), tmp_path / "scored.gguf", scores=scores)
+    before = fallback_ranking(path, len(TOKENS) + 2)
+    assert not list(cache.rglob(gguf_file.TOKEN_SCORES))
+    load_model(path)
+    (stored,) = cache.rglob(gguf_file.TOKEN_SCORES)
+    assert np.load(stored).tolist() == scores
+    assert torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)
+    np.save(stored, -np.asarray(scores, dtype=np.float32))  # read from the entry, not the file
+    assert not torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)
+
+
 def test_gguf_matches_transformers_and_its_metadata_is_read_once(
     tmp_path, cache, monkeypatch, capsys
 ):
@@ -506,6 +533,27 @@ def tiny_gemma3() -> PreTrainedModel:
     )
 
 
+def tiny_gemma2() -> Gemma2ForCausalLM:
+    """A tiny Gemma 2 in what a GGUF file can say of one (alternating windows, the query scale
+    llama.cpp derives), its caps small enough that random weights' scores and logits meet them."""
+    torch.manual_seed(0)
+    shape = dict(HF_SHAPE, vocab_size=len(TOKENS), num_hidden_layers=4, head_dim=16)
+    config = Gemma2Config(
+        **shape,
+        query_pre_attn_scalar=16,
+        sliding_window=5,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=4.0,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.3 if "norm" in name else 0.2)
+    return model
+
+
 LAYOUTS = {
     "llama": tiny_hf_llama,
     "qwen2": tiny_qwen2,
@@ -513,6 +561,7 @@ LAYOUTS = {
     "smollm3": tiny_smollm3,
     "granite": tiny_granite,
     "phi3": tiny_phi3,
+    "gemma2": tiny_gemma2,
     "gemma3": tiny_gemma3,
 }
 
@@ -692,6 +741,9 @@ def test_gguf_config_is_transformers_own(tmp_path, layout):
         expected["head_dim"], got["head_dim"] = model.config.head_dim, ours.head_dim
     if layout == "phi3":  # its table drops the sliding window too
         expected["sliding_window"] = model.config.sliding_window
+    if layout == "gemma2":  # ...and the caps, and it keeps Gemma2Config's default query scale
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            expected[name] = getattr(model.config, name)
     # only the path transformers read it from, which it keeps, differs
     assert {**got, "_name_or_path": ""} == {**expected, "_name_or_path": ""}
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from tiny_models import HF_SHAPE, tiny_hf_llama, tiny_model
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -18,7 +20,7 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
-from delspec.decode_config import default_int8_draft
+from delspec.drafting.draft_head import default_int8_draft
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, ModelFormatError
 from delspec.kernels.products import (
@@ -42,6 +44,17 @@ LLAMA3_ROPE = dict(
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.06, logits_scaling=4.0
 )
+# Gemma 2 with caps small enough that random weights' scores and logits meet them, and
+# sliding windows of 5 keys that 24 positions cross
+GEMMA2_CAPPED = dict(
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    attn_logit_softcapping=0.5,
+    final_logit_softcapping=0.8,
+    sliding_window=5,
+    hidden_activation="gelu_pytorch_tanh",
+)
 SHAPES = [
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=False)),
     (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
@@ -60,6 +73,7 @@ SHAPES = [
         SmolLM3ForCausalLM,
         dict(num_key_value_heads=4, no_rope_layers=[0, 1, 1], pad_token_id=None),
     ),
+    (Gemma2Config, Gemma2ForCausalLM, GEMMA2_CAPPED),  # capped scores and logits
 ]
 
 

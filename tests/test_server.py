@@ -4,6 +4,7 @@ is the session fixture of conftest.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -381,15 +382,17 @@ def test_requests_choose_their_decoding_over_the_servers(smollm2: LoadedModel) -
 def test_decoding_costs_are_measured_as_the_server_starts(
     smollm2: LoadedModel, tmp_path, monkeypatch, strategy: str, profiles: int
 ) -> None:
-    """A server whose decoding prices its rounds measures their costs before it answers (in
-    the first request they held it, and every one queued behind it, for as long); one that
-    does not measures nothing."""
+    """A server whose decoding prices its rounds measures their costs, thoroughly, before it
+    answers (in the first request they held it, and every one queued behind it, for as long);
+    one that does not measures nothing."""
     monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
     app = create_app(tiny_lm(smollm2), config=DecodeConfig(strategy), max_batch=1)
-    assert len(list(tmp_path.glob("costs/profile-*.json"))) == profiles
+    stored = list(tmp_path.glob("costs/profile-*.json"))
+    assert len(stored) == profiles
+    assert all(json.loads(path.read_text())["quick"] is False for path in stored)
     with running(app) as url:  # answered (200) from that profile, not measured again
         answer(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
-    assert len(list(tmp_path.glob("costs/profile-*.json"))) == profiles
+    assert list(tmp_path.glob("costs/profile-*.json")) == stored
 
 
 def test_unknown_routes_get_openai_errors(tiny_url: str) -> None:

@@ -13,6 +13,7 @@ from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
 from delspec.decoding.generate import Result, Stats, generate
 from delspec.decoding.grammar import Grammar, json_grammar
 from delspec.decoding.sampling import Sampling
+from delspec.decoding.session import Session
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
 from delspec.weights.loading import LoadedModel, load_model
 
@@ -28,6 +29,7 @@ __all__ = [
     "ModelFormatError",
     "Result",
     "Sampling",
+    "Session",
     "Stats",
     "generate",
     "json_grammar",

@@ -16,10 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
-import torch
-
 from delspec.errors import ConfigError
-from delspec.kernels.products import int8_supported
 
 if TYPE_CHECKING:
     from delspec.drafting.adapters import ExitAdapters
@@ -245,7 +242,7 @@ class DraftConfig:
     frequent tokens, a list of sizes (None or "full": the whole vocabulary) for `del-fast` to
     choose from per round, None ("full"), or "auto" (`default_draft_vocab`). `context_vocab`:
     add the prompt's and reply's own tokens to a pruned vocabulary. `int8_draft`: draft on int8
-    copies of the weights; "auto" = `default_int8_draft`.
+    copies of the weights; "auto" = `drafting.draft_head.default_int8_draft`.
     """
 
     adapters: str | os.PathLike | ExitAdapters | None = "auto"
@@ -351,12 +348,6 @@ def default_draft_vocab(strategy: str, vocab_size: int) -> list[int | None] | No
         return None
     sizes = [FAST_DRAFT_VOCAB << i for i in range(FAST_VOCAB_LEVELS)]
     return [k for k in sizes if 2 * k <= vocab_size] + [None]
-
-
-def default_int8_draft(strategy: str, device: torch.device) -> bool:
-    """Whether `int8_draft="auto"` drafts on int8 weights: for `del-fast`, whose cost model
-    weighs the cheaper drafts against verifying every layer again, where the device runs them."""
-    return strategy == "del-fast" and int8_supported(device)
 
 
 def parse_option(pair: str) -> tuple[str, Any]:

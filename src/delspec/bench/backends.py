@@ -133,8 +133,9 @@ class DelspecBackend:
         config, weights = method_config(strategy, options)
         lm = self.model_in(weights)
         model, eos = lm.model, lm.eos_token_ids
-        make_policy(config, model.num_layers)  # reject bad options now
         exit_head = draft_head(lm, config)
+        # reject bad options now; a benchmark times the policy with its thorough costs
+        make_policy(config, model.num_layers).measure_costs(exit_head)
 
         def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             policy = make_policy(config, model.num_layers)

@@ -16,6 +16,7 @@ from delspec.cli.arguments import (
     load,
     model_arguments,
     non_negative_int,
+    non_negative_number,
     port,
     positive_int,
     positive_number,
@@ -287,6 +288,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "(default: 128)",
     )
     srv.add_argument(
+        "--prompt-cache-mb",
+        type=non_negative_number,
+        help="MiB of prompt prefixes evicted from the slots kept for later requests that "
+        "start with them (0: none; a slot's own prefix is reused still) (default: 256)",
+    )
+    srv.add_argument(
         "--replicas",
         type=positive_int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -311,6 +318,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "request_timeout": args.timeout,
         "max_body_mb": args.max_body_mb,
         "prefill_chunk": args.prefill_chunk,
+        "prompt_cache_mb": args.prompt_cache_mb,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:
@@ -362,8 +370,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from delspec.calibration.calibrate import calibrate, read_prompts
     from delspec.drafting.adapters import default_adapters_path, save_adapters
-    from delspec.drafting.calibration import calibrate, read_prompts
 
     if args.out is not None:
         if args.out.is_dir():

@@ -85,24 +85,26 @@ class Engine:
         self.index: ContextIndex | None = None
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], capacity: int, window: int = 0) -> None:
+    def prefill(self, prompt: list[int], capacity: int, window: int = 0, cached: int = 0) -> None:
         """Start a sequence: run all but the last prompt token through every layer.
 
         `capacity` is the number of positions to reserve. With `window > 0`, the per-layer states
         of the last `window` prefilled positions and their target tokens are handed to the first
-        round as teacher-forced context (DEL's warm-up).
+        round as teacher-forced context (DEL's warm-up). `cached`: the first positions the slot
+        holds already (`delspec.decoding.prefix.reusable`; at most the rows before the window),
+        which are not run again.
         """
         self.begin(prompt, capacity)
         model = self.model
-        if len(prompt) < 2:
+        rows = len(prompt) - 1
+        if rows <= cached:
             return
         collect: list[Tensor] | None = [] if window else None
-        rows = len(prompt) - 1
-        states = model.embed(prompt[:-1])
-        tiles = model.on_tiles(rows)
-        model.run_layers(states, 0, 0, model.num_layers, collect, slot=self.slot, tiles=tiles)
+        states = model.embed(prompt[cached:-1])
+        tiles = model.on_tiles(rows)  # as a cold prefill of the whole prompt decides
+        model.run_layers(states, cached, 0, model.num_layers, collect, slot=self.slot, tiles=tiles)
         if collect:
-            w = min(window, len(prompt) - 1)
+            w = min(window, rows - cached)
             hidden = torch.stack([h[-w:] for h in collect])
             self._context = (hidden, greedy_tokens(model.head(hidden[-1])))
 

@@ -19,6 +19,7 @@ from delspec.errors import ConfigError, is_integer
 from delspec.policies import make_policy
 
 if TYPE_CHECKING:
+    from delspec.decoding.session import Session
     from delspec.weights.loading import LoadedModel
 
 OnText = Callable[[str, str], None]
@@ -290,6 +291,7 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     trace: bool = False,
     logprobs: int | None = None,
+    session: Session | None = None,
     grammar: Grammar | None = None,
     **options: Any,
 ) -> Result:
@@ -306,6 +308,8 @@ def generate(
     disconnected): once it returns true, generation ends with finish reason "cancelled".
     `logprobs=k`: the result's `logprobs` give each token's log-probability and the k most
     likely tokens' (the model's own distribution, the same under every strategy).
+    `session` (a `delspec.Session` of `lm`): reuse the cache entries it holds of the prompt's
+    first tokens (the conversation so far) and keep this prompt's and reply's for its next call.
     `grammar` (`json_grammar(schema)`: JSON matching a schema, or any JSON object) constrains
     the output to it (needs the `grammar` extra); every strategy gives constrained `ar`'s tokens.
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
@@ -327,7 +331,20 @@ def generate(
         grammar=grammar,
     )
     emit = on_text or (lambda piece, kind: None)
-    text.decoding.start()
+    if session is None:
+        return _decode_text(text, emit, should_stop)
+    if session.lm is not lm:
+        raise ConfigError("the session belongs to another model: make one with Session(lm)")
+    with session.running(text.decoding) as cached:
+        return _decode_text(text, emit, should_stop, cached)
+
+
+def _decode_text(
+    text: TextDecoding, emit: OnText, should_stop: Callable[[], bool] | None, cached: int = 0
+) -> Result:
+    """Start `text` (its slot holding the first `cached` prompt positions already) and run it
+    to its end, its text to `emit`."""
+    text.decoding.start(cached)
     while not text.decoding.done:
         if should_stop is not None and should_stop():
             text.decoding.stop("cancelled")

@@ -29,14 +29,16 @@ if TYPE_CHECKING:
 
 class Prefill:
     """One decoding's prompt (all but its last token, which its first step runs) on its way
-    into its cache slot: `begin` is done at creation, `done_rows` rows are cached so far."""
+    into its cache slot: `begin` is done at creation, `done_rows` rows are cached so far.
+    `cached`: the first rows its slot holds already (`delspec.decoding.prefix.reusable`)."""
 
-    def __init__(self, decoding: Decoding) -> None:
+    def __init__(self, decoding: Decoding, cached: int = 0) -> None:
         self.decoding = decoding
         with torch.inference_mode():  # the cache slots are the engines' (made in inference mode)
             decoding.engine.begin(decoding.prompt, decoding.capacity)
         decoding.prefill_s = 0.0
-        self.done_rows = 0
+        decoding.cached_tokens = cached
+        self.done_rows = cached
 
     @property
     def remaining(self) -> int:

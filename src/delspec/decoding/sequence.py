@@ -36,6 +36,7 @@ class Stats:
     an acceptance rate when nothing was drafted) is None."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not computed
     new_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms_per_token: float = 0.0
@@ -117,6 +118,7 @@ class Decoding:
         self.top_logprobs = logprobs or 0
         self.finish_reason: str | None = None  # set once it stops early
         self.prefill_s = self.decode_s = 0.0
+        self.cached_tokens = 0  # prompt positions its slot held already (not prefilled)
         policy.start(head)
 
     @property
@@ -132,13 +134,19 @@ class Decoding:
         room = self.capacity - len(self.engine.tokens)
         return self.finish_reason is not None or self.generated >= self.max_new_tokens or room <= 0
 
-    def start(self) -> None:
-        """Prefill the prompt into the sequence's cache slot."""
+    @property
+    def warmup_window(self) -> int:
+        """The prompt positions whose states the policy's warm-up scores (they are run in the
+        prefill pass, never taken from a cache)."""
         policy = self.policy
+        return policy.warmup_window if policy.collect_hidden else 0
+
+    def start(self, cached: int = 0) -> None:
+        """Prefill the prompt into the sequence's cache slot, but for its first `cached`
+        positions, which the slot holds already (at most the rows before `warmup_window`)."""
         t0 = time.perf_counter()
-        self.engine.prefill(
-            self.prompt, self.capacity, policy.warmup_window if policy.collect_hidden else 0
-        )
+        self.cached_tokens = cached
+        self.engine.prefill(self.prompt, self.capacity, self.warmup_window, cached)
         synchronize(self.model.device)
         self.prefill_s = time.perf_counter() - t0
 
@@ -243,6 +251,7 @@ class Decoding:
         self.decode_s += time.perf_counter() - t0
         new = self.engine.tokens[len(self.prompt) :][: self.max_new_tokens]
         stats = self.totals.finish(len(new), self.prefill_s, self.decode_s)
+        stats.cached_tokens = self.cached_tokens
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
 

@@ -1,2 +1,1 @@
-"""What proposes tokens: the exit head, draft vocabularies, adapters and their calibration,
-context drafts."""
+"""What proposes tokens: the exit head, draft vocabularies, exit adapters, context drafts."""

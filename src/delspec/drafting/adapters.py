@@ -4,8 +4,8 @@ The adapter of exit layer E is a residual low-rank map on the final-norm-normali
 `n = norm(h)`, `n' = n + up_E(down_E(n))`, logits = LM head(`n'`) (`adapt`). Adapters and a
 token-frequency ranking are stored in a safetensors sidecar with a fingerprint of the model
 (`save_adapters`); `load_adapters` refuses another model's file. `default_adapters_path` says
-where a model's sidecar lives. They are made by `delspec.drafting.calibration.calibrate` and drafted
-with by `delspec.drafting.draft_head.DraftHead`.
+where a model's sidecar lives. They are made by `delspec.calibration.calibrate.calibrate` and
+drafted with by `delspec.drafting.draft_head.DraftHead`.
 """
 
 from __future__ import annotations

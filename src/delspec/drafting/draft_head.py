@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from delspec.decode_config import DecodeConfig, default_draft_vocab, default_int8_draft
+from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.drafting.adapters import ExitAdapters, adapt, check_model, find_adapters, load_adapters
 from delspec.drafting.draft_vocab import draft_vocabularies, fallback_ranking, vocabulary_sizes
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.kernels.products import Int8Weight
+from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.model.transformer import Transformer
 from delspec.weights.loading import LoadedModel
 
@@ -197,6 +197,12 @@ class DraftHead(ExitHead):
             index = torch.tensor(exit_layers, device=self.down.device)
             self._stack = (list(exit_layers), self.down[index], self.up[index])
         return self._stack[1], self._stack[2]
+
+
+def default_int8_draft(strategy: str, device: torch.device) -> bool:
+    """Whether `int8_draft="auto"` drafts on int8 weights: for `del-fast`, whose cost model
+    weighs the cheaper drafts against verifying every layer again, where the device runs them."""
+    return strategy == "del-fast" and int8_supported(device)
 
 
 def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:

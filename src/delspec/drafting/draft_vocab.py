@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError
-from delspec.weights.gguf_header import read_header
+from delspec.weights.gguf_file import token_scores
 
 
 def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
@@ -38,10 +38,10 @@ def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
 def _gguf_scores(path: Path) -> np.ndarray | None:
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return None
-    scores = read_header(path).metadata.get("tokenizer.ggml.scores")
+    scores = token_scores(path)
     if scores is None:
         return None
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = scores.astype(np.float64)
     return None if np.unique(scores).size < 2 else scores
 
 

@@ -376,6 +376,8 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
         for (int t = 0; t < mh; ++t) {
             float *row = scores + t * score_n;
             for (int64_t j = lo; j <= p; ++j) row[j] *= s->scale;
+            if (s->softcap > 0.0f)
+                for (int64_t j = lo; j <= p; ++j) row[j] = s->softcap * tanhf(row[j] / s->softcap);
             total[t] = exp_sum(row + lo, p + 1 - lo, largest(row + lo, p + 1 - lo));
         }
         for (int i = 0; i < mh * dim; ++i) o[i] = 0.0f;
@@ -580,7 +582,8 @@ TILE_TARGET static void attention_task(const AttentionShape *s, const Rows *R, c
 int dl_attention_tiles(const AttentionShape *s, const Rows *R, const float *qkv, int64_t ld_qkv,
                        const float *cos, const float *sin, const float *keys, const float *values,
                        float *out) {
-    if (!dl_prompt_tiles_ready() || s->dim % 32) return -1;
+    /* capped scores (softcap) take the rows path, for every row of every prompt alike */
+    if (!dl_prompt_tiles_ready() || s->dim % 32 || s->softcap > 0.0f) return -1;
     int64_t top = score_length(R), count = (top / KEY_BLOCK + 2) * KEY_BLOCK;
     size_t dim = (size_t)s->dim, bytes = (size_t)count * dim * 4 + QUERY_ROWS * dim * 2 +
                                           (size_t)QUERY_ROWS * (size_t)count * 6 +
@@ -628,16 +631,16 @@ int dl_attention_tiles(const AttentionShape *s, const Rows *R, const float *qkv,
  * many values). Writes the new keys (normed, rotated) and values into `keys`/`values`
  * ([kv_heads][kv_stride / dim][dim], positions 0..start+rows-1 then cached) and the attention
  * output to `out` ([rows][heads * dim]). `cos`/`sin`: [rows][dim], the rows' RoPE tables.
- * `q_norm`/`k_norm`: per-head RMS norm weights, or NULL. Returns 0, or -1 when dim is not a
- * multiple of 8, -2 when out of memory. */
+ * `q_norm`/`k_norm`: per-head RMS norm weights, or NULL; `softcap`: see AttentionShape. Returns
+ * 0, or -1 when dim is not a multiple of 8, -2 when out of memory. */
 int dl_attention(const float *qkv, int64_t ld_qkv, const float *cos, const float *sin,
                  const float *q_norm, const float *k_norm, float norm_eps, float norm_offset,
                  float *keys, float *values, float *out, int heads, int kv_heads, int dim,
                  int rows, int64_t start, int64_t kv_stride, int64_t window, float scale,
-                 int threads) {
+                 float softcap, int threads) {
     if (dim % LANES) return -1;
-    AttentionShape s = {heads, kv_heads, dim, kv_stride, window, scale,
-                        q_norm, k_norm, norm_eps, norm_offset};
+    AttentionShape s = {heads,  kv_heads, dim,       kv_stride,   window, scale,
+                        q_norm, k_norm,   norm_eps, norm_offset, softcap};
     Rows R = {rows, NULL, start, NULL, 0, start};
     int64_t positions = start + rows, each = dl_attention_scratch(&s, &R);
     int team = threads > 1 && (int64_t)heads * rows * positions > 4096 ? threads : 1;

@@ -27,6 +27,7 @@ def fused_attention(
     window: int | None,
     scale: float,
     norms: tuple[Tensor, Tensor, float, float] | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention of the rows of `qkv` `[rows, (heads + 2 kv_heads) * dim]` (a fused projection:
     queries, keys, values) at positions `start..` -> `[rows, heads * dim]`.
@@ -34,7 +35,8 @@ def fused_attention(
     Their keys (RMS-normed with `norms` = (query weight, key weight, eps, offset) if given, then
     rotated by the rows' `cos`/`sin` tables `[rows, dim]`) and values are written into `cache`
     `[2, kv_heads, length, dim]` (keys and values each contiguous) first; a row at position p
-    sees positions `0..p`, or the last `window` of them.
+    sees positions `0..p`, or the last `window` of them. Scores are `scale * q . k`, capped to
+    `softcap * tanh(score / softcap)` where `softcap` is given.
     """
     _, kv_heads, _, dim = cache.shape
     rows = qkv.shape[0]
@@ -66,6 +68,7 @@ def fused_attention(
         cache.stride(1),
         window or 0,
         scale,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     if status == -2:

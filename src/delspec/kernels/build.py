@@ -203,7 +203,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_prompt_tiles.restype = i32
     f32 = ctypes.c_float
     lib.dl_attention.argtypes = [p, i64, p, p, p, p, f32, f32, p, p, p, i32, i32, i32, i32]
-    lib.dl_attention.argtypes += [i64, i64, i64, f32, i32]
+    lib.dl_attention.argtypes += [i64, i64, i64, f32, f32, i32]
     lib.dl_attention.restype = i32
     lib.dl_rms_norm.argtypes = [p, i64, p, f32, f32, i32, i32, p, i64]
     lib.dl_rms_norm.restype = None

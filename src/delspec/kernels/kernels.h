@@ -93,6 +93,7 @@ typedef struct {
     float scale;       /* softmax scale */
     const float *q_norm, *k_norm; /* per-head RMS norm weights, or NULL */
     float norm_eps, norm_offset;
+    float softcap; /* scaled scores capped to softcap * tanh(score / softcap) (Gemma 2), or 0 */
 } AttentionShape;
 
 /* Where a call's rows are: row r at position positions[r] (start + r when positions is NULL)

@@ -64,6 +64,7 @@ typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, gelu;
     float eps, norm_offset, scale;
     float residual_scale; /* each layer's attention and MLP outputs scaled by it (Granite; 1) */
+    float attn_softcap;   /* AttentionShape's softcap (Gemma 2), or 0 */
     int64_t length;      /* cache positions per slot */
     int64_t slot_stride; /* floats between a layer's cache slots (sequences) */
     int num_layers;
@@ -294,8 +295,9 @@ static void layer(const Model *m, const Layer *L, const Own *own, float *qkv, fl
     double since = profile ? omp_get_wtime() : 0.0;
     int width = m->intermediate;
     int64_t rows = R->rows, qkv_n = L->qkv.N, att_n = (int64_t)m->heads * m->dim;
-    AttentionShape s = {m->heads, m->kv_heads, m->dim, m->length * m->dim, L->window, m->scale,
-                        L->q_norm, L->k_norm, m->eps, m->norm_offset};
+    AttentionShape s = {m->heads,  m->kv_heads, m->dim, m->length * m->dim, L->window,
+                        m->scale,  L->q_norm,   L->k_norm, m->eps, m->norm_offset,
+                        m->attn_softcap};
     Activations a;
     normed(m, own, L->attn_norm, &a, rows, me);
     lap(profile, NORM, &since);

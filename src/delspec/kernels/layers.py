@@ -64,6 +64,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _INT) for name in ("hidden", "heads", "kv_heads", "dim", "intermediate", "gelu")),
         *((name, _F32) for name in ("eps", "norm_offset", "scale", "residual_scale")),
+        ("attn_softcap", _F32),
         ("length", _I64),
         ("slot_stride", _I64),
         ("num_layers", _INT),
@@ -133,6 +134,7 @@ class LayerKernels:
             norm_offset=cfg.spec.norm_offset,
             scale=cfg.softmax_scale,
             residual_scale=cfg.residual_multiplier,
+            attn_softcap=cfg.attn_softcap or 0.0,
             length=0,
             num_layers=cfg.num_layers,
             layers=self.layers,

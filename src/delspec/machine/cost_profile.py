@@ -1,14 +1,17 @@
 """The decode cost profile: seconds measured on this machine for one model, device, dtype and
 thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), cached on disk
 per setting (`cached_profile`). A profile timed while the machine was busy would mislead every
-later run that reads it, so timings are taken in interleaved rounds until two takes agree; the
-cost model's `CostCheck` corrects a profile whose predictions a run keeps contradicting
-(`store_correction`) and marks its file for measuring again (`mark_stale`).
+later run that reads it, so a thorough profile's timings are taken in interleaved rounds until
+two takes agree. A first run measures a quick one instead (a few dozen steps' worth of timings:
+fewer row counts, one take, one cycle in decoding), so that a new model's first answer does not
+wait for the thorough one; long-lived processes (the server, benchmarks) ask for a thorough
+profile and replace a quick one. The cost model's `CostCheck` corrects a profile whose
+predictions a run keeps contradicting (`store_correction`) and marks its file for measuring
+again (`mark_stale`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import statistics
@@ -17,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,9 +28,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from delspec.cache import write_atomically
-from delspec.drafting.exit_head import ExitHead
-from delspec.kernels.build import build_key, cpu_name
-from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds, synchronize
+from delspec.machine.timing import (
+    MEASURED_MAX_AGE_S,
+    measurement_key,
+    settled_seconds,
+    synchronize,
+)
 from delspec.model.transformer import Transformer
 
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
@@ -44,6 +51,24 @@ LINGER_STEPS = 4
 IN_DECODING_CYCLES = 8
 IN_DECODING_MIN_CYCLES = 3
 IN_DECODING_BUDGET_S = 24.0
+# A quick profile: rounds of its one take of the primitives, and of its draft heads
+QUICK_ROUNDS = 2
+QUICK_DRAFT_HEAD_ROUNDS = 2
+
+
+class ExitHead(Protocol):
+    """What a profile times of an exit head (`delspec.drafting.exit_head.ExitHead`, which
+    drafting builds above this layer): its model, whether it drafts on int8 weights, and one
+    draft row through each of its vocabulary levels."""
+
+    model: Transformer
+    int8: bool
+    vocabs: list[Tensor | None]
+
+    @property
+    def vocab_sizes(self) -> list[int]: ...
+
+    def __call__(self, h: Tensor, exit_layer: int, level: int = 0) -> Tensor: ...
 
 
 @dataclass
@@ -59,7 +84,9 @@ class CostProfile:
     round verifying k rows through every layer adds to the plain steps after it (none for one
     row; empty: nothing measured, as in a profile made by hand). `settled`: whether
     the timings can be trusted (two takes agreed); an unsettled profile is measured again after
-    an hour rather than a week. `path`: the file it was read from or written to (not stored).
+    an hour rather than a week. `quick`: measured by `measure_profile(quick=True)`, replaced
+    when a thorough profile is asked for. `path`: the file it was read from or written to (not
+    stored).
     """
 
     layer: list[float]
@@ -75,6 +102,7 @@ class CostProfile:
     lingering: list[float] = field(default_factory=list)
     version: int = PROFILE_VERSION
     settled: bool = field(default=True, compare=False)
+    quick: bool = field(default=False, compare=False)
     path: str = field(default="", compare=False)
 
     def scale(self, factor: float, drafts_only: bool = False) -> None:
@@ -96,23 +124,10 @@ class CostProfile:
 
 
 def profile_key(exit_head: ExitHead) -> str:
-    """Identifies the setting a profile's model timings were measured for: model shape, device
-    (and the CPU), dtype, weight format, threads, the compiled kernels' build, and whether drafts
-    run on int8 weights (not the draft head's vocabulary: its timings are kept per vocabulary
-    within the profile)."""
-    model = exit_head.model
-    parts = [
-        repr(model.config),
-        str(model.device),
-        cpu_name(),
-        str(model.dtype),
-        model.weights,
-        str(torch.get_num_threads()),
-        torch.__version__,
-        build_key(),
-        "int8" if exit_head.int8 else "exact",
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    """Identifies the setting a profile's model timings were measured for (`measurement_key`),
+    and whether drafts run on int8 weights (not the draft head's vocabulary: its timings are
+    kept per vocabulary within the profile)."""
+    return measurement_key(exit_head.model, "int8" if exit_head.int8 else "exact")
 
 
 def measure_profile(
@@ -122,6 +137,7 @@ def measure_profile(
     context: int = 128,
     far: int = 512,
     repeats: int = 3,
+    quick: bool = False,
 ) -> CostProfile:
     """Time the primitives a round is made of, for 1..max_tokens new tokens (at the row
     counts of `row_counts`, in between by interpolation), after `context` positions and (for
@@ -129,52 +145,67 @@ def measure_profile(
     `exit_head` as exit layer `exit_layer`. Each primitive's fastest of `repeats` rounds in
     which they all take turns, taken again until two takes agree (`settled_seconds`); k rows
     through every layer and the head (a verification), and what they add to the steps after
-    them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`)."""
+    them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`).
+    `quick`: at `quick_counts` only, one take of `QUICK_ROUNDS` rounds without an untimed one,
+    one cycle in decoding
+    (one step after each round) and `QUICK_DRAFT_HEAD_ROUNDS` rounds of draft heads (noisier:
+    `CostCheck` corrects what decoding contradicts)."""
     model = exit_head.model
-    cfg, int8, layers = model.config, exit_head.int8, model.num_layers
+    cfg, int8 = model.config, exit_head.int8
     far = max(min(cfg.max_position - max_tokens - 1, far), 0)
     context = min(context, far)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (far + max_tokens,), generator=gen).to(model.device)
+    ids = torch.randint(0, cfg.vocab_size, (max_tokens,), generator=gen).to(model.device)
+    linger = 1 if quick else LINGER_STEPS
+    counts = quick_counts(max_tokens) if quick else row_counts(max_tokens)
+    cycles = 1 if quick else IN_DECODING_CYCLES
     # parts: the layer and head timings, each cycle in decoding (and its untimed one), the
     # draft heads; on a terminal only
     bar = tqdm(
-        total=IN_DECODING_CYCLES + 3,
+        total=cycles + 3,
         desc="measuring decode costs",
         unit="part",
         file=sys.stderr,
         leave=False,
         disable=None,
     )
+    # the positions before `context` and `far` are left as the fresh cache has them (zeros):
+    # attention reads them at the same cost whatever they hold, so no prompt is prefilled
     with model.scratch_cache(far + max_tokens + 1), torch.inference_mode():
-        if far:
-            model.run_layers(model.embed(ids[:far]), 0, 0, layers)
-        states = model.embed(ids[far:])
-        runs, timed, sampled = _primitive_runs(model, states, context, far, int8)
-        seconds, settled = settled_seconds(runs, repeats, model.device)
+        states = model.embed(ids)
+        runs, timed, sampled = _primitive_runs(model, states, context, far, int8, counts)
+        if quick:
+            # no untimed calls: the fastest of two timed ones (the first may run cold)
+            seconds, settled = settled_seconds(runs, QUICK_ROUNDS, model.device, 1, warm=False)
+        else:
+            seconds, settled = settled_seconds(runs, repeats, model.device)
         bar.update()
-        own, lingering = measure_in_decoding(model, states, context, bar=bar)
-    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer)
+        own, lingering = measure_in_decoding(
+            model, states, context, cycles, counts=counts, warm=not quick, linger=linger, bar=bar
+        )
+    rounds = QUICK_DRAFT_HEAD_ROUNDS if quick else DRAFT_HEAD_ROUNDS
+    draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, rounds)
     bar.update()
     bar.close()
     profile = _profile(exit_head, seconds, own, lingering, timed, sampled, context, far)
     profile.draft_head = draft_head
     profile.settled = settled and heads_settled
+    profile.quick = quick
     return profile
 
 
 def _primitive_runs(
-    model: Transformer, states: Tensor, context: int, far: int, int8: bool
+    model: Transformer, states: Tensor, context: int, far: int, int8: bool, counts: list[int]
 ) -> tuple[dict[object, Callable[[], object]], list[int], list[int]]:
     """The runs `measure_profile` times, keyed ("layer", at, k) (k rows through every layer at
     position `at`), ("drafted", at) (one row as drafts run it), ("head", k) and "step" (a plain
-    step), from the most rows to the fewest; and the row counts timed after `context` and,
-    sampled for the slopes, after `far`."""
+    step), from the most rows to the fewest; and the row counts timed after `context` (`counts`
+    and those sampled) and, sampled for the slopes, after `far`."""
     layers, max_tokens, one = model.num_layers, len(states), states[:1]
     runs: dict[object, Callable[[], object]] = {}
     rows_of: dict[object, int] = {}  # each run's rows
     sampled = sorted({1, (max_tokens + 1) // 2, max_tokens})  # far on, slopes in between
-    timed = sorted({*row_counts(max_tokens), *sampled})
+    timed = sorted({*counts, *sampled})
     for at, counts in ((context, timed), (far, sampled)):
         for k in counts:
             h = states[:k]
@@ -251,6 +282,11 @@ def row_counts(most: int) -> list[int]:
     return sorted(k for k in counts if k <= most)
 
 
+def quick_counts(most: int) -> list[int]:
+    """The row counts a quick profile times, up to `most`: 1, 2, 4, half and all of `most`."""
+    return sorted(k for k in {1, 2, 4, (most + 1) // 2, most} if 1 <= k <= most)
+
+
 def measure_in_decoding(
     model: Transformer,
     states: Tensor,
@@ -258,11 +294,14 @@ def measure_in_decoding(
     cycles: int = IN_DECODING_CYCLES,
     budget_s: float = IN_DECODING_BUDGET_S,
     bar: tqdm | None = None,
+    counts: list[int] | None = None,
+    warm: bool = True,
+    linger: int = LINGER_STEPS,
 ) -> tuple[list[float], list[float]]:
     """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
-    decoding meets them, in plain steps: their own time, and what they add to the
-    `LINGER_STEPS` plain steps after them. A block is a plain step, the round, then those
-    steps; each round's block follows a block whose round is a plain step, and what the round
+    decoding meets them, in plain steps: their own time, and what they add to the `linger`
+    plain steps after them (the first bears the most). A block is a plain step, the round, then
+    those steps; each round's block follows a block whose round is a plain step, and what the round
     adds is the difference of the two blocks' last steps (a long verification slows the steps
     after it; timed in a loop of their own shapes, a few rows read cheaper than decoding meets
     them), fitted as one slope per row beyond the first. Medians over cycles of shuffled turns,
@@ -270,9 +309,11 @@ def measure_in_decoding(
     to `cycles` timed cycles, as many as `budget_s` holds at the untimed cycle's pace but no
     fewer than `IN_DECODING_MIN_CYCLES` (a large model's first run waits for fewer). `states`:
     the rows' inputs, run at positions `context`.. of the model's cache. `bar` advances a cycle
-    at a time."""
+    at a time. `counts`: the row counts to time (default `row_counts`; 1 and the most among
+    them); without `warm`, no untimed cycle (the caller ran the same shapes just before) and
+    exactly `cycles` cycles."""
     layers, most = model.num_layers, len(states)
-    counts = row_counts(most)
+    counts = sorted({1, most, *(counts or row_counts(most))})
 
     def run(rows: int) -> float:
         start = time.perf_counter()
@@ -281,17 +322,17 @@ def measure_in_decoding(
         return time.perf_counter() - start
 
     def block(rows: int) -> tuple[float, float]:
-        """A plain step, `rows` rows, `LINGER_STEPS` plain steps: the round's and the steps'
+        """A plain step, `rows` rows, `linger` plain steps: the round's and the steps'
         seconds."""
         run(1)
         round_s = run(rows)
-        return round_s, sum(run(1) for _ in range(LINGER_STEPS))
+        return round_s, sum(run(1) for _ in range(linger))
 
     own: dict[int, list[float]] = {k: [] for k in counts}
     added: dict[int, list[float]] = {k: [] for k in counts}
     order = list(counts)
     shuffle = random.Random(0).shuffle
-    cycle, start = 0, time.perf_counter()
+    cycle, start = (0, time.perf_counter()) if warm else (1, 0.0)
     while cycle <= cycles:
         shuffle(order)
         for k in order:
@@ -380,22 +421,26 @@ def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[lis
 
 
 def cached_profile(
-    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path
+    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path, thorough: bool = False
 ) -> CostProfile:
     """The profile for this model and setting from `directory`, measured again when missing,
-    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens. Draft
-    head timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one
-    is measured and added."""
+    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens, or
+    quick where a `thorough` one is asked for; measured quick unless `thorough`. Draft head
+    timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is
+    measured and added."""
     path = directory / f"profile-{profile_key(exit_head)}.json"
     vocab = ",".join(map(str, exit_head.vocab_sizes))
     stored = _read_profile(path, max_tokens)
+    if stored is not None and thorough and stored[0].quick:
+        stored = None
     if stored is None:
+        how = "thoroughly, once" if thorough else "quickly; `delspec serve` measures thoroughly"
         print(
-            f"delspec: measuring decode costs on {exit_head.model.device} (once; cached in "
+            f"delspec: measuring decode costs on {exit_head.model.device} ({how}; cached in "
             f"{directory})",
             file=sys.stderr,
         )
-        profile = measure_profile(exit_head, exit_layer, max_tokens)
+        profile = measure_profile(exit_head, exit_layer, max_tokens, quick=not thorough)
         profile.path = str(path)
         _write_profile(path, profile, {vocab: profile.draft_head})
         return profile
@@ -404,7 +449,8 @@ def cached_profile(
     if vocab in draft_heads:
         profile.draft_head = draft_heads[vocab]
     else:
-        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer)
+        rounds = QUICK_DRAFT_HEAD_ROUNDS if profile.quick else DRAFT_HEAD_ROUNDS
+        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer, rounds)
         draft_heads[vocab] = profile.draft_head
         profile.settled = profile.settled and settled  # an unsettled profile stays so
         _write_profile(path, profile, draft_heads)

@@ -14,7 +14,6 @@ measured with the chosen kernels, then sees their times.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -24,10 +23,10 @@ from collections.abc import Callable
 import torch
 
 from delspec.cache import cache_dir, write_atomically
-from delspec.kernels.build import build_key, cpu_flags, cpu_name
+from delspec.kernels.build import cpu_name
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.machine.timing import MEASURED_MAX_AGE_S, settled_seconds
+from delspec.machine.timing import MEASURED_MAX_AGE_S, measurement_key, settled_seconds
 from delspec.model.modules import Linear
 from delspec.model.transformer import Transformer
 
@@ -178,7 +177,7 @@ def choose_kernels(model: Transformer) -> None:
     elsewhere every product keeps its default kernel)."""
     if model.device.type != "cpu":
         return
-    path = cache_dir() / "kernels" / f"choice-{_choice_key(model)}.json"
+    path = cache_dir() / "kernels" / f"choice-{measurement_key(model)}.json"
     stored = _read(path)
     if stored is None or set(stored["choices"]) != set(layer_groups(model)):
         print(
@@ -201,20 +200,6 @@ def choose_kernels(model: Transformer) -> None:
     model.prompt_tiles_from = stored["prompt_tiles_from"]
     split = stored["split_rows_from"]
     model.split_rows_from = {False: split["plain"], True: split["tiles"]}
-
-
-def _choice_key(model: Transformer) -> str:
-    parts = [
-        cpu_name(),
-        " ".join(sorted(cpu_flags())),
-        torch.__version__,
-        str(torch.get_num_threads()),
-        repr(model.config),
-        str(model.dtype),
-        model.weights,
-        build_key() if model.weights != "float" else "-",
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def _read(path) -> dict | None:

@@ -45,6 +45,16 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(gguf="granite", differs="embedding, residual, attention, logit scales"),
     # some layers without RoPE (`ModelConfig.nope_layers`)
     "smollm3": Family(gguf="smollm3", differs="layers without RoPE"),
+    # attention scores capped (`ModelConfig.attn_softcap`), logits too (`final_logit_softcap`)
+    "gemma2": Family(
+        sandwich_norm=True,
+        embed_scale=True,
+        activation="gelu_tanh",
+        norm_offset=1.0,
+        sliding_window_pattern=2,
+        gguf="gemma2",
+        differs="sandwich norms, GELU, scaled embeddings, sliding windows, capped scores",
+    ),
     "gemma3_text": Family(
         qk_norm=True,
         sandwich_norm=True,
@@ -81,6 +91,7 @@ class ModelConfig:
     rope_local_theta: float | None = None
     attn_scale: float | None = None  # softmax scale; default 1/sqrt(head_dim)
     final_logit_softcap: float | None = None
+    attn_softcap: float | None = None  # scores capped to c * tanh(score / c) (Gemma 2)
     nope_layers: tuple[int, ...] = ()  # layers whose queries and keys get no RoPE (SmolLM3)
     # Granite: embeddings times `embedding_multiplier`, each layer's attention and MLP outputs
     # times `residual_multiplier` before they join the residual, logits divided by
@@ -169,6 +180,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             rope_local_theta=float(rope_local_theta) if rope_local_theta else None,
             attn_scale=attn_scale,
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            attn_softcap=hf.get("attn_logit_softcapping"),
             nope_layers=_nope_layers(hf, num_layers),
             embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(hf.get("residual_multiplier", 1.0)),

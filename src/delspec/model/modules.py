@@ -179,6 +179,7 @@ class Attention(nn.Module):
         self.q_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
         self.k_norm = rms_norm(config, config.head_dim) if spec.qk_norm else None
         self.scale = config.softmax_scale
+        self.softcap = config.attn_softcap
 
     def forward(
         self,
@@ -198,7 +199,16 @@ class Attention(nn.Module):
                 q_norm, k_norm = self.q_norm, self.k_norm
                 norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
             out = attention.fused_attention(
-                qkv, cos, sin, cache, start, self.num_heads, self.window, self.scale, norms
+                qkv,
+                cos,
+                sin,
+                cache,
+                start,
+                self.num_heads,
+                self.window,
+                self.scale,
+                norms,
+                self.softcap,
             )
             return self.o(out, int8)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -216,10 +226,16 @@ class Attention(nn.Module):
         q = q.reshape(self.num_kv_heads, group * n, self.head_dim)
         if mask is not None and group > 1:
             mask = mask.repeat(group, 1)
-        # 4-D inputs take the fused CPU kernel (3-D ones the slower reference path).
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, scale=self.scale
-        )
+        if self.softcap:  # capped scores: no fused kernel takes them
+            scores = q @ keys.transpose(-1, -2) * self.scale
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+            if mask is not None:  # True: the key takes part
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = scores.softmax(-1) @ values
+        else:  # 4-D inputs take the fused CPU kernel (3-D ones the slower reference path)
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, scale=self.scale
+            )
         out = out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1)
         return self.o(out, int8)
 

@@ -166,10 +166,37 @@ class Transformer(nn.Module):
         if reusable and self.cache.is_inference() == torch.is_inference_mode_enabled():
             return
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, length, cfg.head_dim)
-        self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._use_cache(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _use_cache(self, cache: Tensor) -> None:
+        """Make `cache` the KV cache, with RoPE tables of its length."""
+        cfg = self.config
+        self.cache = cache
         kinds = {cfg.rope_kind(i) for i in range(cfg.num_layers)}
-        self._rope = {kind: self._rope_table(kind, length) for kind in kinds}
+        self._rope = {kind: self._rope_table(kind, cache.shape[4]) for kind in kinds}
         self._layer_binding = None
+
+    @contextlib.contextmanager
+    def swapped_cache(self, cache: Tensor) -> Iterator[None]:
+        """Within the block, `cache` (`[layers, 2, slots, kv_heads, length, head_dim]`, made as
+        `setup_cache` makes one) is the KV cache: a library session keeps its sequence's cache
+        between calls this way. The model's own cache comes back after; a cache `setup_cache`
+        makes meanwhile is left in `self.cache` until then."""
+        saved = self.cache, self._rope, self._layer_binding
+        try:
+            self._use_cache(cache)
+            yield
+        finally:
+            self.cache, self._rope, self._layer_binding = saved
+
+    @property
+    def rows_exact(self) -> bool:
+        """Whether each row's bits are its own, whatever rows run with it and however its
+        prompt was split into chunks (the compiled layers run this model): then positions
+        cached for one prompt can stand in for another prompt's with the same tokens."""
+        if self.cache is not None:
+            return self.compiled_layers() is not None
+        return LayerKernels.for_model(self) is not None
 
     @contextlib.contextmanager
     def scratch_cache(self, length: int, slots: int = 1) -> Iterator[None]:

@@ -216,9 +216,17 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
             evidence = np.delete(evidence, self.final_rows)
         return bool(len(evidence)) and float(evidence.max()) >= max(1.0, self.min_evidence)
 
-    def _profile(self, exit_head: ExitHead) -> CostProfile:
+    def _profile(self, exit_head: ExitHead, thorough: bool = False) -> CostProfile:
         middle = self.base_candidates[len(self.base_candidates) // 2]
-        return cached_profile(exit_head, middle, self.draft_cap + 1, cache_dir() / "costs")
+        directory = cache_dir() / "costs"
+        return cached_profile(exit_head, middle, self.draft_cap + 1, directory, thorough)
+
+    def measure_costs(self, exit_head: ExitHead) -> None:
+        """Read this setting's cost profile, measuring it thoroughly where only a quick one (or
+        none) is stored: what a long-lived process does before its first generation, so that
+        every later generation (in any process) starts from the thorough profile."""
+        if self.cost_name == "measured":
+            self._profile(exit_head, thorough=True)
 
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         if self.no_draft and (self.in_warmup or self.draft_length == 0):

@@ -83,6 +83,10 @@ class Policy:
     def start(self, exit_head: ExitHead) -> None:
         """Reset all per-prompt state."""
 
+    def measure_costs(self, exit_head: ExitHead) -> None:
+        """Measure, thoroughly, whatever this machine's timings the policy reads (none here):
+        called by long-lived processes before their first `start`."""
+
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
         """The next round, given what the context proposes for it."""
         raise NotImplementedError

@@ -31,7 +31,7 @@ from delspec.server.protocol import (
     validation_error,
 )
 from delspec.server.service import Service
-from delspec.server.worker import DEFAULT_PREFILL_CHUNK, Worker
+from delspec.server.worker import DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_MB, Worker
 
 if TYPE_CHECKING:
     from delspec.weights.loading import LoadedModel
@@ -55,6 +55,7 @@ def create_app(
     aliases: tuple[str, ...] = (),
     max_body_mb: float | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_mb: float | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
     request's `delspec` options update.
@@ -68,7 +69,9 @@ def create_app(
     was loaded by). A request body of more than `max_body_mb` MiB (default:
     `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled
     at most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
-    running ones. Raises `ConfigError` for invalid settings.
+    running ones. A joining prompt reuses the cache entries of its longest prefix that a slot
+    holds or that up to `prompt_cache_mb` MiB of prefixes evicted from slots keep (default:
+    `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). Raises `ConfigError` for invalid settings.
     """
     config, context, queue_timeout = check_options(
         lm,
@@ -80,10 +83,13 @@ def create_app(
         queue_timeout,
         max_body_mb,
         prefill_chunk,
+        prompt_cache_mb,
     )
-    # the decoding's cost profile read, or measured, now: inside the first request it would
-    # hold that request and every one queued behind it
-    make_policy(config, lm.model.num_layers).start(draft_head(lm, config))
+    # the decoding's cost profile read, or measured thoroughly, now: inside the first request
+    # it would hold that request and every one queued behind it
+    policy, head = make_policy(config, lm.model.num_layers), draft_head(lm, config)
+    policy.measure_costs(head)
+    policy.start(head)
     # a batched step's seconds by row count: what batches and their context drafts cost here
     batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}
     if max_batch is None:
@@ -94,7 +100,8 @@ def create_app(
     chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
     span = measured_attention_span(lm.model)
     drafts = BatchDrafts(batch_seconds)
-    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts)
+    cache_mb = DEFAULT_PROMPT_CACHE_MB if prompt_cache_mb is None else prompt_cache_mb
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager
@@ -122,6 +129,7 @@ def check_options(
     queue_timeout: float | None,
     max_body_mb: float | None = None,
     prefill_chunk: int | None = None,
+    prompt_cache_mb: float | None = None,
 ) -> tuple[DecodeConfig, int, float]:
     """`create_app`'s settings checked (`ConfigError` for the first bad one) and completed:
     the config, the context and the queue timeout, defaults filled in."""
@@ -136,6 +144,12 @@ def check_options(
         raise ConfigError(f"max_body_mb must be > 0, got {max_body_mb}")
     if prefill_chunk is not None and (not is_integer(prefill_chunk) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    if prompt_cache_mb is not None and (
+        isinstance(prompt_cache_mb, bool)
+        or not isinstance(prompt_cache_mb, int | float)
+        or not 0 <= prompt_cache_mb < float("inf")
+    ):
+        raise ConfigError(f"prompt_cache_mb must be a number >= 0, got {prompt_cache_mb!r}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
     if request_timeout <= 0 or queue_timeout <= 0:
         raise ConfigError(
@@ -215,7 +229,7 @@ def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
         }
 
     def local_metrics() -> Collector:
-        return metrics.current(worker.depth, worker.active)
+        return metrics.current(worker.depth, worker.active, worker.prompt_cache.nbytes)
 
     app.state.local_metrics = local_metrics
     app.state.gather_metrics = None  # or async () -> Collector: all replicas' (`server.replicas`)

@@ -30,6 +30,21 @@ class Metrics:
         self.prompt_tokens = Counter(
             "delspec_prompt_tokens", "Prompt tokens processed.", registry=registry
         )
+        self.cached_tokens = Counter(
+            "delspec_prompt_cached_tokens",
+            "Prompt tokens whose cache entries were reused, not computed (the prompt cache).",
+            registry=registry,
+        )
+        self.prefilled_tokens = Counter(
+            "delspec_prompt_prefilled_tokens",
+            "Prompt tokens computed (not taken from the prompt cache).",
+            registry=registry,
+        )
+        self.prompt_cache_bytes = Gauge(
+            "delspec_prompt_cache_bytes",
+            "Bytes of evicted prompt prefixes kept (serve --prompt-cache-mb).",
+            registry=registry,
+        )
         self.generated_tokens = Counter(
             "delspec_generated_tokens", "Tokens generated.", registry=registry
         )
@@ -93,6 +108,8 @@ class Metrics:
         """Records a finished generation (which must have been traced)."""
         stats = result.stats
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.prefilled_tokens.inc(stats.prompt_tokens - stats.cached_tokens)
         self.generated_tokens.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -103,8 +120,9 @@ class Metrics:
             if entry["drafted"]:
                 self.exit_layer.observe(entry["exit_layer"])
 
-    def current(self, queue_depth: int, active: int) -> CollectorRegistry:
-        """The registry, its gauges of the queue set to the state given."""
+    def current(self, queue_depth: int, active: int, cache_bytes: int = 0) -> CollectorRegistry:
+        """The registry, its gauges of the queue and the prompt cache set to the state given."""
+        self.prompt_cache_bytes.set(cache_bytes)
         self.queue_depth.set(queue_depth)
         self.active.set(active)
         self.busy.set(int(active > 0))

@@ -313,12 +313,15 @@ class Reply:
         chunk["usage"] = self._usage(result)
         return chunk
 
-    def _usage(self, result: Result) -> dict[str, int]:
+    def _usage(self, result: Result) -> dict[str, Any]:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens whose cache
+        entries were reused (the server's prompt cache), not computed."""
         completion = len(result.token_ids)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens},
         }
 
     def _delta(self, text: str | None) -> dict[str, Any]:

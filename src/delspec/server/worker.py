@@ -31,14 +31,18 @@ from delspec.decode_config import DecodeConfig
 from delspec.decoding.batch import step_together
 from delspec.decoding.generate import TextDecoding
 from delspec.decoding.prefill import Prefill, prefill_chunk
+from delspec.decoding.prefix import EMPTY, Held
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.errors import DelspecError
 from delspec.server.metrics import Metrics
+from delspec.server.prompt_cache import PromptCache
 
 if TYPE_CHECKING:
     from delspec.weights.loading import LoadedModel
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT_CACHE_MB = 256.0  # MiB of evicted prompt prefixes kept unless told otherwise
 
 # Prompt rows prefilled between two steps of the running jobs (fewer further on in a prompt:
 # `delspec.decoding.prefill.chunk_rows`): short enough that the running jobs' steps are not
@@ -92,11 +96,22 @@ class _Running:
     def slot(self) -> int:
         return self.text.decoding.engine.slot
 
+    @property
+    def held(self) -> Held:
+        """What its slot holds now: the prompt rows prefilled so far, then the sequence's
+        positions that are computed (all but its newest token)."""
+        decoding, prefill = self.text.decoding, self.prefill
+        tokens = decoding.engine.tokens
+        written = len(tokens) - 1 if prefill.finished else prefill.done_rows
+        return Held.of(decoding.prompt, tokens, written, decoding.model)
+
 
 class Worker:
     """Runs jobs on one background thread, up to `max_batch` at a time in arrival order, each
     in a cache slot of `context` positions (prompt and reply), prompts prefilled
-    `prefill_chunk` rows at a time. See the module docstring."""
+    `prefill_chunk` rows at a time, their prefixes reused from what the slots hold or from up
+    to `prompt_cache_mb` MiB of prefixes evicted from them (`PromptCache`). See the module
+    docstring."""
 
     def __init__(
         self,
@@ -108,6 +123,7 @@ class Worker:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         attention_span: float = math.inf,
         drafts: BatchDrafts | None = None,
+        prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB,
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
@@ -119,6 +135,7 @@ class Worker:
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="delspec-worker", daemon=True)
+        self.prompt_cache = PromptCache(lm.model, max_batch, int(prompt_cache_mb * 2**20))
 
     @property
     def depth(self) -> int:
@@ -186,16 +203,18 @@ class Worker:
     def _join(self, jobs: list[Job]) -> None:
         """Give `jobs` free slots and their decodings (their prompts to be prefilled), and
         send their start events."""
-        used = {r.slot for r in self._joining + self._running}
-        free = (s for s in range(self.max_batch) if s not in used)
         for job in jobs:
             self.metrics.observe_wait(time.monotonic() - job.queued_at)
             job.emit("start")
+            busy = {r.slot: r.held for r in self._joining + self._running}
+            free = [s for s in range(self.max_batch) if s not in busy]
+            slot, cached = self.prompt_cache.place(job.prompt_ids, free, busy)
             try:
                 options = {**job.options, "trace": True}
-                text = TextDecoding(self.lm, job.prompt_ids, job.config, slot=next(free), **options)
-                self._joining.append(_Running(job, text, Prefill(text.decoding)))
+                text = TextDecoding(self.lm, job.prompt_ids, job.config, slot=slot, **options)
+                self._joining.append(_Running(job, text, Prefill(text.decoding, cached)))
             except Exception as exc:  # reported to its client; the worker goes on serving
+                self.prompt_cache.release(slot, EMPTY)
                 self._fail(job, exc)
 
     def _prefill(self) -> None:
@@ -206,6 +225,7 @@ class Worker:
             prefill_chunk([r.prefill for r in joining], self.prefill_chunk, self.attention_span)
         except Exception as exc:  # every job in the chunk gets the error
             for entry in joining:
+                self.prompt_cache.release(entry.slot, EMPTY)
                 self._fail(entry.job, exc)
             self._joining = []
             return
@@ -228,6 +248,7 @@ class Worker:
                 pieces = [r.text.take(*c) for r, c in zip(running, committed, strict=True)]
         except Exception as exc:  # the whole step failed: every job in it gets the error
             for entry in running:
+                self.prompt_cache.release(entry.slot, EMPTY)
                 self._fail(entry.job, exc)
             self._running = []
             return
@@ -246,12 +267,15 @@ class Worker:
         """Jobs whose client went away or whose time is up end now (their slots free)."""
         for entry in [r for r in self._joining + self._running if r.job.should_stop()]:
             (self._joining if entry in self._joining else self._running).remove(entry)
-            if not entry.job.cancelled.is_set():  # its time is up: it ends with what it has
+            if entry.job.cancelled.is_set():
+                self.prompt_cache.release(entry.slot, entry.held)
+            else:  # its time is up: it ends with what it has
                 entry.text.decoding.stop()
                 self._finish(entry)
 
     def _finish(self, entry: _Running) -> None:
         """Send the rest of the job's text and its result (it has left its slot)."""
+        self.prompt_cache.release(entry.slot, entry.held)
         pieces, result = entry.text.finish()
         if entry.job.stream:
             for piece, _kind in pieces:

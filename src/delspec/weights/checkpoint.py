@@ -5,6 +5,8 @@ weights each fused linear layer is made of, loading them with every shape checke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor, nn
 
@@ -85,16 +87,55 @@ def _init_random(module: nn.Module) -> None:
         nn.init.constant_(module.weight, 1.0 - module.offset)
 
 
+def checkpoint_weights(model: Transformer) -> Iterator[tuple[Tensor | None, tuple[str, ...], str]]:
+    """Each of `model`'s parameters with the Hugging Face checkpoint weights (prefix-free names)
+    it is made of, in row order, and the name an error calls it by; None for a parameter held
+    as blocks (`Transformer.use_blocks`)."""
+    cfg, spec = model.config, model.config.spec
+
+    def one(param: Tensor | None, name: str) -> tuple[Tensor | None, tuple[str, ...], str]:
+        return param, (name,), name
+
+    yield one(model.embedding.weight, "embed_tokens.weight")
+    yield one(model.norm.weight, "norm.weight")
+    if not cfg.tie_embeddings:
+        yield one(model.lm_head.weight, "lm_head.weight")
+    mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
+    for i, block in enumerate(model.layers):
+        p = f"layers.{i}."
+        for module, parts in linear_parts(spec).items():
+            linear = block.get_submodule(module)
+            fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
+            label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"
+            yield linear.weight, tuple(f"{p}{x}.weight" for x in parts), label
+        if spec.qkv_bias:
+            names = tuple(f"{p}self_attn.{x}_proj.bias" for x in "qkv")
+            yield block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias"
+        if spec.qk_norm:
+            yield one(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
+            yield one(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
+        yield one(block.attn_norm.weight, p + "input_layernorm.weight")
+        yield one(block.mlp_norm.weight, p + mlp_norm + ".weight")
+        if spec.sandwich_norm:
+            yield one(block.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+            yield one(block.post_mlp_norm.weight, p + "post_feedforward_layernorm.weight")
+
+
+def checkpoint_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face checkpoint weights (prefix-free names) a model of `config` is made of."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return [name for _, names, _ in checkpoint_weights(model) for name in names]
+
+
 @torch.no_grad()
 def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
     """Load weights named as in a Hugging Face checkpoint into `model`, checking every shape.
     Weights held as blocks (`Transformer.use_blocks`) are neither read nor needed."""
-    cfg, spec = model.config, model.config.spec
     state = {strip_prefix(k): v for k, v in state.items()}
-
-    def put(param: Tensor | None, names: tuple[str, ...], label: str) -> None:
+    for param, names, label in checkpoint_weights(model):
         if param is None:  # held as blocks
-            return
+            continue
         missing = [name for name in names if name not in state]
         if missing:
             raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
@@ -105,30 +146,3 @@ def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
                 f"but the config implies {tuple(param.shape)}"
             )
         param.copy_(value.to(param.dtype))
-
-    def load(param: Tensor | None, name: str) -> None:
-        put(param, (name,), name)
-
-    load(model.embedding.weight, "embed_tokens.weight")
-    load(model.norm.weight, "norm.weight")
-    if not cfg.tie_embeddings:
-        load(model.lm_head.weight, "lm_head.weight")
-    mlp_norm = "pre_feedforward_layernorm" if spec.sandwich_norm else "post_attention_layernorm"
-    for i, block in enumerate(model.layers):
-        p = f"layers.{i}."
-        for module, parts in linear_parts(spec).items():
-            linear = block.get_submodule(module)
-            fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
-            label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"
-            put(linear.weight, tuple(f"{p}{x}.weight" for x in parts), label)
-        if spec.qkv_bias:
-            names = tuple(f"{p}self_attn.{x}_proj.bias" for x in "qkv")
-            put(block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias")
-        if spec.qk_norm:
-            load(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
-            load(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
-        load(block.attn_norm.weight, p + "input_layernorm.weight")
-        load(block.mlp_norm.weight, p + mlp_norm + ".weight")
-        if spec.sandwich_norm:
-            load(block.post_attn_norm.weight, p + "post_attention_layernorm.weight")
-            load(block.post_mlp_norm.weight, p + "post_feedforward_layernorm.weight")

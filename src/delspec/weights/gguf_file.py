@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, TokenizersBackend
+from transformers import AutoConfig, PretrainedConfig, TokenizersBackend
 from transformers import modeling_gguf_pytorch_utils as gguf_pytorch_utils
 from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -32,9 +32,9 @@ from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
-from delspec.model.architectures import FAMILIES, config_from_hf
+from delspec.model.architectures import FAMILIES, ModelConfig, config_from_hf
 from delspec.model.modules import rope_inv_freq
-from delspec.weights.checkpoint import strip_prefix
+from delspec.weights.checkpoint import checkpoint_names, strip_prefix
 from delspec.weights.gguf_header import GGUFHeader, read_header
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
@@ -51,6 +51,10 @@ AS_LAYOUT: dict[str, tuple[str, dict[str, Any]]] = {
 # "<arch>.": config field}.
 OWN_KEYS: dict[str, dict[str, str]] = {
     "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
     "granite": {
         "embedding_scale": "embedding_multiplier",
         "residual_scale": "residual_multiplier",
@@ -60,6 +64,10 @@ OWN_KEYS: dict[str, dict[str, str]] = {
 }
 
 INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
+# ...and its tokenizer scores, where it has them (float32, as stored): every load that drafts
+# from a pruned vocabulary ranks tokens by them, and reading them from the header parses every
+# token's text too
+TOKEN_SCORES = "token-scores.npy"
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
 SUPPORTED_GGML_TYPES = frozenset(
@@ -96,9 +104,7 @@ class GGUFFile:
         """Open `path`, parsing it into its cache entry on first use (keyed by the file's size,
         mtime and first MiB; the entry appears atomically)."""
         self.path = path
-        # named apart from the converted checkpoints of earlier versions, which it replaces
-        target = cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}-metadata"
-        self.directory = build_once(target, path, lambda out: _describe(path, out))
+        self.directory = build_once(_entry(path), path, lambda out: _describe(path, out))
         try:
             index = json.loads((self.directory / INDEX).read_text())
             self.architecture: str = index["architecture"]
@@ -138,16 +144,32 @@ class GGUFFile:
         return torch.from_numpy(np.copy(processor.process(weights=values, name=name).weights))
 
 
+def _entry(path: Path) -> Path:
+    """The cache entry of GGUF file `path` (named apart from the converted checkpoints of
+    earlier versions, which it replaces)."""
+    return cache_dir() / "gguf" / f"{path.stem}-{file_key(path)}-metadata"
+
+
+def token_scores(path: Path) -> np.ndarray | None:
+    """GGUF file `path`'s `tokenizer.ggml.scores` (None where it has none): from its cache entry
+    where it has one, else from its header."""
+    stored = _entry(path) / TOKEN_SCORES
+    if stored.is_file():
+        return np.load(stored)
+    scores = read_header(path).metadata.get("tokenizer.ggml.scores")
+    return None if scores is None else np.asarray(scores, dtype=np.float32)
+
+
 def _describe(path: Path, out: Path) -> None:
     """Write the cache entry of GGUF file `path` into directory `out`."""
     header = _check_gguf(path)
     architecture = header.architecture
     print(f"delspec: reading {path.name}'s metadata (first load only)", file=sys.stderr, flush=True)
     config = _hf_config(path, header)
-    head_dim = config_from_hf(config.to_dict()).head_dim  # refuses unsupported families
-    _carry_rope_scaling(path, header, architecture, head_dim, config)
+    ours = config_from_hf(config.to_dict())  # refuses unsupported families
+    _carry_rope_scaling(path, header, architecture, ours.head_dim, config)
+    hf_names = _hf_names(ours, architecture)
     try:
-        hf_names = _hf_names(config, architecture)
         # the class AutoTokenizer picks for this config when no tokenizer class is declared
         tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
         with _readable(architecture):
@@ -160,6 +182,9 @@ def _describe(path: Path, out: Path) -> None:
         for t in header.tensors.values()
     }
     (out / INDEX).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
+    scores = header.metadata.get("tokenizer.ggml.scores")
+    if scores is not None:
+        np.save(out / TOKEN_SCORES, np.asarray(scores, dtype=np.float32))
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -192,6 +217,12 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
         values["head_dim"] = int(key_length)
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
+    if architecture == "gemma2":  # no key for the query scale: llama.cpp's rule (27B: 46 layers)
+        wide = values.get("num_hidden_layers") == 46
+        heads = values.get("num_attention_heads", 1)
+        values["query_pre_attn_scalar"] = (
+            values["hidden_size"] // heads if wide else values.get("head_dim", 256)
+        )
     values |= {
         key: value for key, value in extra.items() if key not in values or key == "model_type"
     }
@@ -235,24 +266,19 @@ def _readable(architecture: str) -> Iterator[None]:
             supported.remove(architecture)
 
 
-def _hf_names(config: PretrainedConfig, architecture: str) -> dict[str, str]:
-    """GGUF tensor name: the name transformers gives it (with prefix), for the tensors that
-    transformers' model of `config` has (`get_gguf_hf_weights_map` over the whole model, with
-    one name table instead of one per submodule)."""
-    with torch.device("meta"):  # only its parameter names are used
-        skeleton = AutoModelForCausalLM.from_config(config)
-    processor = _processor(architecture)(config=config.to_dict())
+def _hf_names(config: ModelConfig, architecture: str) -> dict[str, str]:
+    """GGUF tensor name: the name transformers gives it (with prefix), for the weights a model of
+    `config` is made of (`checkpoint_names`), by the gguf package's name table of `architecture`
+    (transformers' own GGUF reader renames none of these families' weights)."""
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
-    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    table = gguf.get_tensor_name_map(arch, config.num_layers)
     names = {}
-    for parameter in skeleton.state_dict():
-        hf_name = processor.preprocess_name(parameter)
-        base, dot, suffix = hf_name.rpartition(".")
-        if suffix not in ("weight", "bias"):
-            base, dot, suffix = hf_name, "", ""
+    for name in checkpoint_names(config):
+        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        base, _, suffix = hf_name.rpartition(".")
         gguf_name = table.get_name(base)
         if gguf_name is not None:
-            names.setdefault(f"{gguf_name}{dot}{suffix}", hf_name)
+            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     return names
 
 

@@ -1,7 +1,7 @@
 """Calibrating exit adapters by self-distillation on the model's own generations.
 
 `calibrate` lets the model continue a set of prompts (by default the built-in
-`calibration_prompts.PROMPTS`) and `fit_adapters` runs every sequence once through all layers,
+`calibration.prompts.PROMPTS`) and `fit_adapters` runs every sequence once through all layers,
 collecting each layer's states. Each exit layer's adapter (see `delspec.drafting.adapters`) is then
 fitted to the final layer in two stages:
 
@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from delspec.calibration.prompts import PROMPTS
 from delspec.decoding.generate import generate
 from delspec.decoding.sampling import Sampling
 from delspec.drafting.adapters import ExitAdapters, adapt, fingerprint
-from delspec.drafting.calibration_prompts import PROMPTS
 from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError
 from delspec.model.transformer import Transformer

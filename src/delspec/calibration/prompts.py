@@ -1,7 +1,7 @@
 """Built-in calibration prompts: varied chat requests and plain-text openings.
 
 The model's own continuations of these prompts are the training data of the exit adapters
-(`delspec.drafting.calibration.calibrate`). A prompt is `(text, chat)`: with `chat=True` it is
+(`delspec.calibration.calibrate.calibrate`). A prompt is `(text, chat)`: with `chat=True` it is
 sent as one user message through the model's chat template (when it has one), otherwise as
 plain text.
 """
