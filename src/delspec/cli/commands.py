@@ -30,6 +30,7 @@ from delspec.model.architectures import FAMILIES
 
 if TYPE_CHECKING:
     from delspec.decoding.generate import Result
+    from delspec.decoding.grammar import Grammar
 
 DRAFT_STYLE = "green"  # accepted draft tokens; target-supplied tokens print plainly
 
@@ -57,6 +58,15 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", type=_stop_string, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema", type=Path, metavar="FILE",
+        help="constrain the output to JSON matching the schema in FILE (the grammar extra)",
+    )  # fmt: skip
+    shape.add_argument(
+        "--json-object", action="store_true",
+        help="constrain the output to a JSON object (the grammar extra)",
+    )  # fmt: skip
     gen.add_argument("--trace", type=Path, help="write the per-round trace as JSON lines")
     gen.set_defaults(func=cmd_generate)
 
@@ -80,8 +90,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_stdin() if args.prompt == "-" else args.prompt
     checked_text(prompt, "the prompt")  # as `generate` would, before the model loads
     checked_stop(args.stop or ())
+    grammar = _output_grammar(args)
     with _trace_file(args.trace) as trace:
         lm = load(args)
+        if grammar is not None:
+            from delspec.decoding.grammar import check_grammar
+
+            check_grammar(lm, grammar)
         console = Console(highlight=False, soft_wrap=True)
 
         def show(piece: str, kind: str) -> None:
@@ -98,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             chat=args.chat,
             on_text=None if args.json else show,
             trace=trace is not None,
+            grammar=grammar,
         )
         if args.json:
             info = {"model": lm.name, "weights": lm.model.weights, **result.as_dict()}
@@ -113,6 +129,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"delspec: error: --trace {args.trace}: {exc.strerror}", file=sys.stderr)
                 return 1
     return 0
+
+
+def _output_grammar(args: argparse.Namespace) -> Grammar | None:
+    """The grammar `--json-schema` or `--json-object` asks for (None: free text), read before
+    the model loads; `ConfigError` naming the flag for a file that is not a JSON schema."""
+    if args.json_schema is None and not args.json_object:
+        return None
+    from delspec.decoding.grammar import json_grammar
+
+    if args.json_object:
+        return json_grammar(None, "--json-object")
+    flag = f"--json-schema {args.json_schema}"
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{flag}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+    return json_grammar(schema, flag)
 
 
 def read_stdin() -> str:

@@ -18,6 +18,12 @@ sampling its draws with noise keyed by the sequence's seed and position (`Sample
 draw with too), so every strategy commits the tokens `ar` commits. The engine knows no policy:
 it is told the context tokens, the exit layer and the draft cap, and asked after each draft
 token whether to go on and which context tokens, if any, to take instead.
+
+With a `Constraint` (a grammar the output must match: `decoding.grammar`), every verified row's
+logits are masked to the tokens the grammar allows after the tokens before that row, and the
+rows are read one at a time, only while drafts are accepted; exit-layer drafts come from masked
+logits too, and context tokens after the drafts are cut at the first one the grammar rejects.
+The committed tokens are then those constrained `ar` commits.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from delspec.decoding.grammar import Constraint
 from delspec.decoding.sampling import Sampler, Sampling, as_rows
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.drafting.exit_head import ExitHead
@@ -46,12 +54,13 @@ class _Draft:
     confidences: list[float] = field(default_factory=list)  # exit-head probability of each
     states: list[Tensor] = field(default_factory=list)  # per pass: layer-E states of its inputs
     early: list[Tensor] = field(default_factory=list)  # per pass: [E, inputs, hidden], collected
+    masks: dict[int, np.ndarray] = field(default_factory=dict)  # the grammar's, by draft index
 
 
 class Engine:
     """Holds one sequence's committed tokens and runs rounds on its slot of a model's KV
     cache. With `context_ngrams` (n-gram orders), it keeps a `ContextIndex` of the sequence
-    (`propose`)."""
+    (`propose`). With `constraint`, its output matches a grammar (module docstring)."""
 
     def __init__(
         self,
@@ -61,8 +70,10 @@ class Engine:
         exit_head: ExitHead | None = None,
         slot: int = 0,
         context_ngrams: tuple[int, int] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.model = model
+        self.grammar = constraint
         self.slot = slot
         self.sampling = sampling
         self.eos = frozenset(eos_token_ids)
@@ -117,6 +128,8 @@ class Engine:
         self.exit_head.admit(tokens)
         if self.index is not None:
             self.index.extend(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
 
     def propose(self, limit: int, after: list[int] | None = None) -> ContextProposal:
         """Up to `limit` context draft tokens after the newest one, or after it and the tokens
@@ -151,7 +164,11 @@ class Engine:
             exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
         draft = self._context_draft(context)
+        if self.grammar is not None:  # the context tokens are ones it accepts (`Decoding`)
+            self.grammar.push(context)
         after = self._draft(draft, pos, exit_layer, draft_cap, keep_drafting, collect, level, then)
+        if self.grammar is not None:
+            self.grammar.pop()
         t1 = time.perf_counter()
         logits, deep = self._verify(pos, exit_layer, draft, collect)
         targets, accepted, next_token = self._accept(logits, draft)
@@ -237,13 +254,25 @@ class Engine:
             draft.states.append(h)
             if layers is not None:
                 draft.early.append(torch.stack(layers))
-            token, confidence = self._draft_token(h[-1:], exit_layer, level, draft.tokens)
+            allowed = self._allowed(draft)
+            drawn = self._draft_token(h[-1:], exit_layer, level, draft.tokens, allowed)
+            if drawn is None:  # the grammar allows none of the head's tokens: this pass's
+                draft.states.pop()  # states are not kept (verification runs its input)
+                if layers is not None:
+                    draft.early.pop()
+                break
+            token, confidence = drawn
             draft.tokens.append(token)
             draft.confidences.append(confidence)
+            if self.grammar is not None:
+                self.grammar.push([token])
             if token in self.eos:
                 break
             last = step + 1 == draft_cap or not keep_drafting(confidence)
             after = through_eos(then(list(draft.tokens), last), self.eos) if then else []
+            if self.grammar is not None:
+                after = after[: self.grammar.valid(after)]
+                self.grammar.push(after)
             if after:
                 self._add_certain(draft, after)
                 return len(after)
@@ -251,6 +280,16 @@ class Engine:
                 break
             inputs = [token]
         return 0
+
+    def _allowed(self, draft: _Draft) -> np.ndarray | None:
+        """The grammar's mask after `draft`'s tokens (None without a grammar), kept in
+        `draft.masks` for verification; the grammar has consumed them."""
+        if self.grammar is None:
+            return None
+        at = len(draft.tokens)
+        if at not in draft.masks:
+            draft.masks[at] = self.grammar.allowed()
+        return draft.masks[at]
 
     def _verify(
         self, pos: int, exit_layer: int, draft: _Draft, collect: bool
@@ -283,6 +322,8 @@ class Engine:
         the target draws at its position (`Sampler.draw`: under sampling, with the noise of
         the sequence's seed at that position), so the committed tokens are those `ar` commits."""
         targets = greedy_tokens(logits)
+        if self.grammar is not None:
+            return self._accept_constrained(logits, draft, targets)
         n = len(draft.tokens)
         if self.sampler is None:
             target_list = targets.tolist()
@@ -296,14 +337,56 @@ class Engine:
                 return targets, i, token
         raise AssertionError("unreachable")
 
+    def _accept_constrained(
+        self, logits: Tensor, draft: _Draft, targets: Tensor
+    ) -> tuple[Tensor, int, int]:
+        """`_accept` under the grammar: row i's logits masked to the tokens it allows after
+        the round's first i drafts, read only while drafts are accepted; the greedy targets of
+        the rows read are the masked ones."""
+        grammar, sampler, n = self.grammar, self.sampler, len(draft.tokens)
+        rows = None if sampler is None else as_rows(logits)
+        picks: list[int] = []
+        for i in range(n + 1):
+            allowed = draft.masks.get(i)
+            if allowed is None:
+                allowed = grammar.allowed()
+            if sampler is None:
+                mask = torch.from_numpy(~allowed).to(logits.device)
+                token = int(logits[i].masked_fill(mask, -math.inf).argmax())
+            else:
+                row = rows[i].copy()
+                row[~allowed] = -np.inf
+                before = draft.tokens[:i]
+                token = sampler.draw(row, len(self.tokens) + i, before, confidence=False)[0]
+            picks.append(token)
+            if i == n or token != draft.tokens[i]:
+                break
+            grammar.push([token])
+        grammar.pop()
+        if sampler is None:
+            targets = targets.clone()
+            targets[: len(picks)] = torch.tensor(picks, dtype=targets.dtype)
+        return targets, len(picks) - 1, picks[-1]
+
     def _draft_token(
-        self, h: Tensor, exit_layer: int, level: int, drafted: list[int]
-    ) -> tuple[int, float]:
+        self,
+        h: Tensor,
+        exit_layer: int,
+        level: int,
+        drafted: list[int],
+        allowed: np.ndarray | None = None,
+    ) -> tuple[int, float] | None:
         """One draft token from the exit head after the round's `drafted` tokens so far, and
         its probability: the greedy one, or the draw `Sampler.draw` makes with the target's
-        noise at its position."""
+        noise at its position; with the grammar's mask `allowed`, among the tokens it allows
+        (None when it allows none of the head's)."""
         logits = self.exit_head(h, exit_layer, level)[0]
         vocab = self.exit_head.vocabs[level]
+        if allowed is not None:
+            columns = allowed if vocab is None else allowed[vocab.cpu().numpy()]
+            if not columns.any():
+                return None
+            logits = logits.masked_fill(torch.from_numpy(~columns).to(logits.device), -math.inf)
         if self.sampler is None:  # the first of equal maxima, and its probability
             at, top, lse = top_logsumexp(logits[None])
             column, confidence = int(at[0]), math.exp(float(top[0]) - float(lse[0]))

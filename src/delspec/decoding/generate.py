@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding.grammar import Constraint, Grammar
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.sequence import Decoding, Stats, TokenLogprob
 from delspec.drafting.draft_head import draft_head
@@ -124,10 +125,13 @@ class TextStream:
         return pieces
 
 
-def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[int]:
-    """Token ids of text, of a chat conversation (through the model's chat template; `chat=True`
-    wraps text as one user message, which must not be empty), or of token ids (checked against
-    the vocabulary). `ConfigError` for anything else."""
+def encode_prompt(
+    lm: LoadedModel, prompt: Prompt, chat: bool = False, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of text, of a chat conversation (through the model's chat template, with
+    `tools` for a template that takes them; `chat=True` wraps text as one user message, which
+    must not be empty), or of token ids (checked against the vocabulary). `ConfigError` for
+    anything else."""
     if isinstance(prompt, str) and chat:
         if not prompt:
             raise ConfigError("the chat message is empty")
@@ -140,7 +144,7 @@ def encode_prompt(lm: LoadedModel, prompt: Prompt, chat: bool = False) -> list[i
             f"{{'role', 'content'}} dicts), got {type(prompt).__name__}"
         )
     if prompt and all(isinstance(m, dict) for m in prompt):
-        text = lm.apply_chat_template(_checked_conversation(prompt))
+        text = lm.apply_chat_template(_checked_conversation(prompt), tools)
         return lm.tokenizer.encode(text, add_special_tokens=False)
     ids = list(prompt)
     vocab = lm.model.config.vocab_size
@@ -233,8 +237,10 @@ class TextDecoding:
         trace: bool = False,
         slot: int = 0,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         policy = make_policy(config, lm.model.num_layers)
+        constraint = None if grammar is None else Constraint(lm, grammar)
         self.strategy = policy.name
         self.decoding = Decoding(
             lm.model,
@@ -247,6 +253,7 @@ class TextDecoding:
             trace=trace,
             slot=slot,
             logprobs=logprobs,
+            constraint=constraint,
         )
         self.stream = TextStream(lm.tokenizer, prompt_ids, checked_stop(stop))
 
@@ -285,6 +292,7 @@ def generate(
     trace: bool = False,
     logprobs: int | None = None,
     session: Session | None = None,
+    grammar: Grammar | None = None,
     **options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
@@ -302,6 +310,8 @@ def generate(
     likely tokens' (the model's own distribution, the same under every strategy).
     `session` (a `delspec.Session` of `lm`): reuse the cache entries it holds of the prompt's
     first tokens (the conversation so far) and keep this prompt's and reply's for its next call.
+    `grammar` (`json_grammar(schema)`: JSON matching a schema, or any JSON object) constrains
+    the output to it (needs the `grammar` extra); every strategy gives constrained `ar`'s tokens.
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
     `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
@@ -318,6 +328,7 @@ def generate(
         stop=stop,
         trace=trace,
         logprobs=logprobs,
+        grammar=grammar,
     )
     emit = on_text or (lambda piece, kind: None)
     if session is None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from delspec.decoding.engine import Engine, through_eos
+from delspec.decoding.grammar import Constraint
 from delspec.decoding.sampling import Sampling
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, is_integer
@@ -75,7 +76,9 @@ class Decoding:
 
     `logprobs=k` records, for every generated token, its log-probability under the model's
     own next-token distribution (the verifier's, so the same under every strategy) and the k
-    most likely tokens'.
+    most likely tokens'. With `constraint`, the output matches its grammar (`Engine`): context
+    drafts are cut at their first token it rejects and, for a strategy that drafts, the
+    tokens it forces are drafted when the context offers none that it accepts.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Decoding:
         trace: bool = False,
         slot: int = 0,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.prompt = _checked_prompt(prompt_ids, max_new_tokens, model.config.max_position)
         self.max_new_tokens = max_new_tokens
@@ -98,7 +102,13 @@ class Decoding:
         self.eos = frozenset(eos_token_ids)
         head = (exit_head or ExitHead(model)).for_prompt(self.prompt)
         self.engine = Engine(
-            model, sampling or Sampling(), tuple(eos_token_ids), head, slot, policy.context_ngrams
+            model,
+            sampling or Sampling(),
+            tuple(eos_token_ids),
+            head,
+            slot,
+            policy.context_ngrams,
+            constraint,
         )
         self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
         self.totals = _Totals(model.num_layers, len(self.prompt))
@@ -149,10 +159,23 @@ class Decoding:
     def proposal(self, limit: int) -> list[int]:
         """Up to `limit` context draft tokens for a batched step (none unless the strategy
         drafts from the context), through the first end of sequence."""
-        if self.policy.context_ngrams is None:
-            return []
-        tokens = self.engine.propose(min(limit, self.draft_room)).tokens
-        return through_eos(tokens, self.eos)
+        limit = min(limit, self.draft_room)
+        tokens = []
+        if self.policy.context_ngrams is not None:
+            tokens = through_eos(self.engine.propose(limit).tokens, self.eos)
+        return self._grammar_context(tokens, limit)
+
+    def _grammar_context(self, tokens: list[int], limit: int) -> list[int]:
+        """Context draft `tokens` under the grammar (unchanged without one): cut at the first
+        one it rejects; when none is left, the tokens it forces (for a strategy that drafts),
+        up to `limit` and the first end of sequence."""
+        grammar = self.engine.grammar
+        if grammar is None:
+            return tokens
+        tokens = tokens[: grammar.valid(tokens)]
+        if not tokens and self.policy.speculates and limit > 0:
+            tokens = through_eos(grammar.forced()[:limit], self.eos)
+        return tokens
 
     def advance(self) -> tuple[list[int], int]:
         """One round as the policy plans it: the tokens it committed (up to EOS) and how many of
@@ -161,7 +184,7 @@ class Decoding:
         policy, engine = self.policy, self.engine
         budget = self.draft_room
         plan = policy.plan(engine.propose(min(budget, policy.context_limit)))
-        context = list(plan.context[:budget])
+        context = self._grammar_context(list(plan.context[:budget]), budget)
         cap = min(plan.draft_cap, budget - len(context))
         then = None
         if policy.context_ngrams is not None:

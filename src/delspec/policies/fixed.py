@@ -13,6 +13,7 @@ class Autoregressive(Policy):
     """No drafting: one full-model step per round."""
 
     name = "ar"
+    speculates = False
 
     def __init__(self, num_layers: int, options: NoOptions) -> None:
         super().__init__(num_layers)

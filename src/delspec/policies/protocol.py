@@ -75,6 +75,7 @@ class Policy:
     warmup_window = 0
     context_ngrams: tuple[int, int] | None = None
     context_limit = 0
+    speculates = True  # whether rounds may verify drafts (e.g. tokens a grammar forces)
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers

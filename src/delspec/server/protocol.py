@@ -10,11 +10,12 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from delspec.decoding.generate import Result, checked_stop
 from delspec.decoding.sampling import checked_bias
 from delspec.errors import ConfigError, ContextLengthError, DelspecError
+from delspec.server.openai_types import ResponseFormat, Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(BaseModel):
@@ -50,21 +51,19 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None  # only with stream, as OpenAI
     # delspec's extension: `DecodeConfig` options over the server's (preset, strategy, ...)
     delspec: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema
     # OpenAI fields that are not implemented: refused when given (and not their neutral value)
     audio: Any = None
     modalities: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
 
     @field_validator(
-        "audio", "modalities", "tools", "tool_choice", "functions", "function_call",
-        "response_format", "prediction", "web_search_options", "reasoning_effort",
+        "audio", "modalities", "functions", "function_call", "prediction",
+        "web_search_options", "reasoning_effort",
         mode="before",
     )  # fmt: skip
     @classmethod
@@ -98,7 +97,6 @@ UNSUPPORTED: dict[str, Any] = {
     "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "response_format": {"type": "text"},
     "prediction": None,
     "web_search_options": None,
     "reasoning_effort": None,
@@ -116,12 +114,26 @@ def refused(value: Any, info: ValidationInfo) -> None:
 
 
 class ChatMessage(BaseModel):
-    """One conversation turn; content is text or a list of text parts."""
+    """One conversation turn; content is text or a list of text parts (or null in an
+    assistant's turn that calls tools); a `tool` turn answers the call `tool_call_id`."""
 
     model_config = ConfigDict(strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _turn(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only in an assistant's tool calls)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -138,6 +150,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -149,8 +163,10 @@ class CompletionRequest(GenerationRequest):
     best_of: Any = None  # not implemented: refused unless 1
     echo: Any = None  # not implemented: refused unless false
     suffix: Any = None  # not implemented: refused unless null
+    tools: Any = None  # chat only: refused unless []
+    tool_choice: Any = None  # chat only: refused unless "none"
 
-    @field_validator("best_of", "echo", "suffix", mode="before")
+    @field_validator("best_of", "echo", "suffix", "tools", "tool_choice", mode="before")
     @classmethod
     def _unsupported_completion(cls, value: Any, info: ValidationInfo) -> Any:
         return refused(value, info)
@@ -254,14 +270,26 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def response(self, result: Result) -> dict[str, Any]:
+    def response(
+        self, result: Result, calls: list[dict[str, Any]] | None = None, content: str | None = None
+    ) -> dict[str, Any]:
+        """The whole reply; with tool `calls` (OpenAI's objects), the message carries them and
+        `content` (the text apart from them), and the finish reason is "tool_calls"."""
         logprobs = self._logprobs(result)
-        content = (
-            {"message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
-            if self.chat
-            else {"text": result.text, "logprobs": logprobs}
-        )
-        return self._wrap(False, {**content, "finish_reason": result.finish_reason}, result)
+        finish = "tool_calls" if calls else result.finish_reason
+        if not self.chat:
+            body = {"text": result.text, "logprobs": logprobs}
+        elif calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            body = {"message": message, "logprobs": logprobs}
+        else:
+            body = {"message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
+        return self._wrap(False, {**body, "finish_reason": finish}, result)
+
+    def calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A chat stream's chunk of tool calls, each whole (its name and all its arguments)."""
+        deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+        return self._wrap(True, {"delta": {"tool_calls": deltas}})
 
     def opening(self) -> dict[str, Any]:
         """The chat stream's first chunk, which names the role."""
@@ -270,10 +298,10 @@ class Reply:
     def piece(self, text: str) -> dict[str, Any]:
         return self._wrap(True, self._delta(text))
 
-    def closing(self, result: Result) -> dict[str, Any]:
-        """The chunk that ends the choice: finish reason, log-probabilities and delspec
-        statistics."""
-        choice = {**self._delta(None), "finish_reason": result.finish_reason}
+    def closing(self, result: Result, finish: str | None = None) -> dict[str, Any]:
+        """The chunk that ends the choice: finish reason (the result's unless `finish`),
+        log-probabilities and delspec statistics."""
+        choice = {**self._delta(None), "finish_reason": finish or result.finish_reason}
         choice["logprobs"] = self._logprobs(result)
         return self._wrap(True, choice, result)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -12,9 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from delspec.decode_config import DecodeConfig
 from delspec.decoding.generate import Prompt, encode_prompt
+from delspec.decoding.grammar import Grammar
 from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
 from delspec.policies import make_policy
+from delspec.server.openai_types import Tool
 from delspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -23,6 +26,15 @@ from delspec.server.protocol import (
     Reply,
     as_api_error,
     sse,
+)
+from delspec.server.structured import (
+    CallFilter,
+    check_tools,
+    conversation,
+    format_grammar,
+    parse_calls,
+    template_takes_tools,
+    tool_grammar,
 )
 from delspec.server.worker import Job, QueueFull, Worker
 
@@ -61,15 +73,32 @@ class Service:
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
-        messages = [m.model_dump() for m in body.messages]
-        prompt_ids = await self._encode(messages, "messages")
+        choice = check_tools(body.tools, body.tool_choice)
+        tools = body.tools if choice != "none" else None
+        text_format = body.response_format is None or body.response_format.type == "text"
+        if tools and choice != "auto" and not text_format:
+            raise APIError(
+                400,
+                "response_format cannot be combined with a required or named tool_choice "
+                "(the reply is then the call's JSON)",
+                param="response_format",
+            )
+        native = template_takes_tools(self.lm.tokenizer)
+        messages, specs = conversation(body.messages, tools, native)
+        prompt_ids = await self._encode(messages, "messages", specs)
         self._check_prompt(prompt_ids, "messages", "the conversation")
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._complete(request, body, prompt_ids, limit, param, top, chat=True)
+        grammar = None
+        if tools:
+            grammar = await asyncio.to_thread(tool_grammar, self.lm, tools, choice)
+        calls = None if not tools else _Calls(tools, grammar is not None)
+        return await self._complete(
+            request, body, prompt_ids, limit, param, top, chat=True, grammar=grammar, calls=calls
+        )
 
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         self._check_common(body)
@@ -123,7 +152,9 @@ class Service:
             raise APIError(400, str(exc), param="delspec") from exc
         return config
 
-    async def _encode(self, prompt: Prompt, param: str) -> list[int]:
+    async def _encode(
+        self, prompt: Prompt, param: str, tools: list[dict] | None = None
+    ) -> list[int]:
         """`encode_prompt` on a worker thread (a long text or chat template must not hold up
         the event loop); a `ConfigError` is a 400 naming request field `param`, and so is a
         text that cannot fit in the context, found before tokenizing it."""
@@ -140,7 +171,7 @@ class Service:
                 code="context_length_exceeded",
             )
         try:
-            return await asyncio.to_thread(encode_prompt, self.lm, prompt)
+            return await asyncio.to_thread(encode_prompt, self.lm, prompt, False, tools)
         except ConfigError as exc:
             raise APIError(400, str(exc), param=param) from exc
 
@@ -167,8 +198,15 @@ class Service:
         limit_param: str,
         logprobs: int | None,
         chat: bool,
+        grammar: Grammar | None = None,
+        calls: _Calls | None = None,
     ) -> Response:
-        job = self._submit(body, prompt_ids, limit, limit_param, logprobs)
+        """Generate and reply, under `grammar` (else the request's `response_format`'s), the
+        reply's text read for tool `calls`."""
+        shaped = body.response_format is not None and body.response_format.type != "text"
+        if grammar is None and shaped:  # off the event loop: a first use reads the vocabulary
+            grammar = await asyncio.to_thread(format_grammar, self.lm, body.response_format)
+        job = self._submit(body, prompt_ids, limit, limit_param, logprobs, grammar)
         usage = body.stream_options is not None and body.stream_options.include_usage
         reply = Reply(chat, self.name, len(prompt_ids), self.lm.tokenizer, usage)
         streaming = False
@@ -177,7 +215,7 @@ class Service:
             if body.stream:
                 streaming = True
                 return StreamingResponse(
-                    self._stream(job, reply),
+                    self._stream(job, reply, calls),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
@@ -186,6 +224,9 @@ class Service:
                 raise as_api_error(value)
             if job.timed_out:
                 raise self._timeout_error()
+            if calls is not None:
+                content, found = parse_calls(value.text, calls.tools, calls.forced)
+                return JSONResponse(reply.response(value, found, content))
             return JSONResponse(reply.response(value))
         except _ClientGone:
             return Response(status_code=499)
@@ -200,6 +241,7 @@ class Service:
         limit: int | None,
         limit_param: str,
         logprobs: int | None,
+        grammar: Grammar | None,
     ) -> Job:
         """Queue the generation `body` asks for (at most `limit` new tokens, which request
         field `limit_param` set; `logprobs` top tokens per token, or None); 429 when the queue
@@ -219,6 +261,7 @@ class Service:
             "max_new_tokens": limit or self.context - len(prompt_ids),
             "stop": body.stop,
             "logprobs": logprobs,
+            "grammar": grammar,
         }
         deadline = time.monotonic() + self.request_timeout
         loop = asyncio.get_running_loop()
@@ -263,18 +306,25 @@ class Service:
                 if await request.is_disconnected():
                     raise _ClientGone from None
 
-    async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[str]:
+    async def _stream(
+        self, job: Job, reply: Reply, calls: _Calls | None = None
+    ) -> AsyncIterator[str]:
         """Server-sent events: chunks, then `[DONE]`; an error event ends a failed stream.
+        With tool `calls`, text that may be a call is held back, and calls come as one chunk
+        before the last.
 
         Starlette cancels this generator when the client disconnects; that stops the job.
         """
+        held = None if calls is None else CallFilter(calls.forced)
         try:
             if reply.chat:
                 yield sse(reply.opening())
             while True:
                 kind, value = await job.events.get()
                 if kind == "text":
-                    yield sse(reply.piece(value))
+                    text = value if held is None else held.push(value)
+                    if text:
+                        yield sse(reply.piece(text))
                 elif kind == "error":
                     yield sse(as_api_error(value).body())
                     return
@@ -282,7 +332,15 @@ class Service:
                     yield sse(self._timeout_error().body())
                     return
                 else:  # "done"
-                    yield sse(reply.closing(value))
+                    finish = None
+                    if held is not None:
+                        rest, found = held.finish(calls.tools)
+                        if rest:
+                            yield sse(reply.piece(rest))
+                        if found:
+                            yield sse(reply.calls_chunk(found))
+                            finish = "tool_calls"
+                    yield sse(reply.closing(value, finish))
                     if reply.usage:
                         yield sse(reply.usage_chunk(value))
                     yield sse("[DONE]")
@@ -299,6 +357,15 @@ class Service:
             code="timeout",
             kind="server_error",
         )
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """A chat request whose reply may call `tools`: `forced` when the reply is one call's
+    JSON (tool_choice "required" or a named function)."""
+
+    tools: list[Tool]
+    forced: bool
 
 
 def request_sampling(body: GenerationRequest, vocab_size: int) -> Sampling:

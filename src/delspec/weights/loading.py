@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
@@ -61,13 +62,21 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
     load_seconds: float | None = None  # how long `load_model` took
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opening."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (and the JSON descriptions of `tools`, for a template
+        that takes them), ending with the assistant's turn opening. `ConfigError` when the
+        template refuses the conversation (a template may raise, e.g. on roles that do not
+        alternate)."""
         if not self.tokenizer.chat_template:
             raise DelspecError(f"model {self.name} has no chat template; pass a plain prompt")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.TemplateError as exc:
+            raise ConfigError(
+                f"the model's chat template refused the conversation: {exc}"
+            ) from None
 
     def describe(self) -> dict[str, Any]:
         """The model's name, source, architecture, shapes, size and where it runs (what
