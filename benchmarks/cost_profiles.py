@@ -28,7 +28,7 @@ from delspec.bench.tasks import load_task
 from delspec.decoding.generate import encode_prompt
 from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.draft_head import draft_head
-from delspec.machine.cost_profile import cached_profile
+from delspec.machine.profile_store import cached_profile
 from delspec.policies import make_policy
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fast_state import LEARNED

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
 from delspec.machine import cost_profile
-from delspec.machine.cost_profile import cached_profile
+from delspec.machine.profile_store import cached_profile
 from delspec.policies.cost_model import CostCheck, LayerCost, MeasuredCost
 from delspec.policies.exit_statistics import best_plan, expected_tokens
 from delspec.policies.protocol import Round

@@ -1,25 +1,22 @@
 """The decode cost profile: seconds measured on this machine for one model, device, dtype and
 thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), cached on disk
-per setting (`cached_profile`). A profile timed while the machine was busy would mislead every
+per setting (`profile_store`). A profile timed while the machine was busy would mislead every
 later run that reads it, so a thorough profile's timings are taken in interleaved rounds until
 two takes agree. A first run measures a quick one instead (a few dozen steps' worth of timings:
 fewer row counts, one take, one cycle in decoding), so that a new model's first answer does not
 wait for the thorough one; long-lived processes (the server, benchmarks) ask for a thorough
 profile and replace a quick one. The cost model's `CostCheck` corrects a profile whose
-predictions a run keeps contradicting (`store_correction`) and marks its file for measuring
-again (`mark_stale`).
+predictions a run keeps contradicting.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -27,9 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.cache import write_atomically
 from delspec.machine.timing import (
-    MEASURED_MAX_AGE_S,
     measurement_key,
     settled_seconds,
     synchronize,
@@ -38,7 +33,6 @@ from delspec.model.transformer import Transformer
 
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
-UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured again after this
 PROFILE_VERSION = 17
 # Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
 DRAFT_HEAD_ROUNDS = 16
@@ -418,96 +412,3 @@ def head_costs(samples: list[list[float]], tolerance: float = 1.25) -> tuple[lis
     first, second = medians(added[:half]), medians(added[half:])
     agree = all(max(a, b) <= tolerance * min(a, b) for a, b in zip(first, second, strict=True))
     return medians(added).tolist(), bool(agree)
-
-
-def cached_profile(
-    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path, thorough: bool = False
-) -> CostProfile:
-    """The profile for this model and setting from `directory`, measured again when missing,
-    older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens, or
-    quick where a `thorough` one is asked for; measured quick unless `thorough`. Draft head
-    timings are stored per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is
-    measured and added."""
-    path = directory / f"profile-{profile_key(exit_head)}.json"
-    vocab = ",".join(map(str, exit_head.vocab_sizes))
-    stored = _read_profile(path, max_tokens)
-    if stored is not None and thorough and stored[0].quick:
-        stored = None
-    if stored is None:
-        how = "thoroughly, once" if thorough else "quickly; `delspec serve` measures thoroughly"
-        print(
-            f"delspec: measuring decode costs on {exit_head.model.device} ({how}; cached in "
-            f"{directory})",
-            file=sys.stderr,
-        )
-        profile = measure_profile(exit_head, exit_layer, max_tokens, quick=not thorough)
-        profile.path = str(path)
-        _write_profile(path, profile, {vocab: profile.draft_head})
-        return profile
-    profile, draft_heads = stored
-    profile.path = str(path)
-    if vocab in draft_heads:
-        profile.draft_head = draft_heads[vocab]
-    else:
-        rounds = QUICK_DRAFT_HEAD_ROUNDS if profile.quick else DRAFT_HEAD_ROUNDS
-        profile.draft_head, settled = measure_draft_heads(exit_head, exit_layer, rounds)
-        draft_heads[vocab] = profile.draft_head
-        profile.settled = profile.settled and settled  # an unsettled profile stays so
-        _write_profile(path, profile, draft_heads)
-    return profile
-
-
-def _parse_profile(path: Path) -> tuple[CostProfile, dict[str, list[float]]] | None:
-    """The profile stored at `path` (without draft head timings) and its draft heads' timings
-    per vocabulary; None when missing or unreadable."""
-    try:
-        stored = json.loads(path.read_text())
-        draft_heads = dict(stored.pop("draft_heads"))
-        return CostProfile(**stored, draft_head=[]), draft_heads
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-
-
-def _read_profile(path: Path, max_tokens: int) -> tuple[CostProfile, dict[str, list[float]]] | None:
-    """`_parse_profile`, or None when of another version, older than a week (an hour when not
-    settled), or for fewer tokens."""
-    stored = _parse_profile(path)
-    if stored is None:
-        return None
-    profile, draft_heads = stored
-    age = MEASURED_MAX_AGE_S if profile.settled else UNSETTLED_MAX_AGE_S
-    fresh = time.time() - profile.measured_at < age
-    if fresh and profile.version == PROFILE_VERSION and len(profile.layer) >= max_tokens:
-        return profile, draft_heads
-    return None
-
-
-def _write_profile(path: Path, profile: CostProfile, draft_heads: dict[str, list[float]]) -> None:
-    """Write `profile`'s model timings and `draft_heads` (per vocabulary) atomically."""
-    stored = {k: v for k, v in asdict(profile).items() if k not in ("draft_head", "path")}
-    text = json.dumps({**stored, "draft_heads": draft_heads})
-    write_atomically(path, lambda scratch: scratch.write_text(text))
-
-
-def store_correction(path: str | Path, factor: float) -> None:
-    """Scale every timing of the profile stored at `path` by `factor` (every vocabulary's draft
-    head too), keeping when it was measured, so that the next process starts from timings the
-    rounds agreed with (a missing or unreadable file is left alone)."""
-    stored = _parse_profile(Path(path))
-    if stored is None:
-        return
-    profile, draft_heads = stored
-    profile.scale(factor)
-    scaled = {vocab: [t * factor for t in times] for vocab, times in draft_heads.items()}
-    _write_profile(Path(path), profile, scaled)
-
-
-def mark_stale(path: str | Path) -> None:
-    """Mark the profile stored at `path` stale (unsettled, measured at time 0), so that the next
-    run measures it again (a missing or unreadable file is left alone)."""
-    try:
-        stored = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return
-    text = json.dumps({**stored, "settled": False, "measured_at": 0.0})
-    write_atomically(Path(path), lambda scratch: scratch.write_text(text))

@@ -13,14 +13,11 @@ from delspec.cache import cache_dir
 from delspec.decode_config import DELOptions
 from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
-from delspec.machine.cost_profile import CostProfile, cached_profile
+from delspec.machine.cost_profile import CostProfile
+from delspec.machine.profile_store import cached_profile
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.dynamic_exit import DynamicExit
-from delspec.policies.exit_statistics import (
-    ExitStatistics,
-    best_plan,
-    expected_tokens,
-)
+from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.fast_state import CONTEXT_PRIOR, LEARNED, ContextScore, Learned, Realized
 from delspec.policies.protocol import Plan, Round
 from delspec.policies.shadow_scoring import ShadowScoring
@@ -197,9 +194,8 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
-        self.learned = Learned(
-            self.stats, self.context_score.stats, self.below, self.realized, self.cost
-        )
+        self.learned = Learned(self.stats, self.context_score.stats, self.below, self.realized,
+                               self.cost)  # fmt: skip
         self.learned.row_cost = self.row_cost
         memory[key] = self.learned
 
@@ -217,14 +213,11 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         return bool(len(evidence)) and float(evidence.max()) >= max(1.0, self.min_evidence)
 
     def _profile(self, exit_head: ExitHead, thorough: bool = False) -> CostProfile:
-        middle = self.base_candidates[len(self.base_candidates) // 2]
-        directory = cache_dir() / "costs"
-        return cached_profile(exit_head, middle, self.draft_cap + 1, directory, thorough)
+        middle, costs = self.base_candidates[len(self.base_candidates) // 2], cache_dir() / "costs"
+        return cached_profile(exit_head, middle, self.draft_cap + 1, costs, thorough)
 
     def measure_costs(self, exit_head: ExitHead) -> None:
-        """Read this setting's cost profile, measuring it thoroughly where only a quick one (or
-        none) is stored: what a long-lived process does before its first generation, so that
-        every later generation (in any process) starts from the thorough profile."""
+        """The cost profile, measured thoroughly where only a quick one (or none) is stored."""
         if self.cost_name == "measured":
             self._profile(exit_head, thorough=True)
 
