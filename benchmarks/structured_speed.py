@@ -40,6 +40,21 @@ TEXTS = [
     "In 1998 France beat Brazil 3-0 in the World Cup final; Zinedine Zidane scored twice.",
     "Leonardo da Vinci painted the Mona Lisa in the early sixteenth century in Florence.",
     "The Berlin Wall fell in 1989, and Germany was reunified the following year.",
+    "Isaac Newton published the Principia in 1687, setting out his laws of motion and gravity.",
+    "In 1953 Edmund Hillary and Tenzing Norgay reached the summit of Mount Everest.",
+    "Jesse Owens won four gold medals at the 1936 Olympic Games in Berlin.",
+    "Vincent van Gogh painted The Starry Night in 1889 while staying at Saint-Remy.",
+    "In 1492 Christopher Columbus crossed the Atlantic with three ships from Spain.",
+    "Rosalind Franklin's X-ray images of 1952 helped Watson and Crick describe DNA in 1953.",
+    "The Wright brothers flew the first powered aeroplane at Kitty Hawk in 1903.",
+    "Serena Williams won her first Grand Slam singles title at the 1999 US Open.",
+    "Johann Sebastian Bach wrote the Brandenburg Concertos, presented in 1721.",
+    "The printing press of Johannes Gutenberg produced its famous Bible around 1455.",
+    "Albert Einstein published his theory of special relativity in 1905 in Bern.",
+    "In 1963 Valentina Tereshkova became the first woman to fly in space.",
+    "Frida Kahlo painted The Two Fridas in 1939 in Mexico City.",
+    "The Magna Carta was sealed by King John at Runnymede in 1215.",
+    "Usain Bolt ran the 100 metres in 9.58 seconds in Berlin in 2009.",
 ]
 
 
@@ -55,6 +70,7 @@ def main() -> None:
     strategies = args.strategies.split(",")
     tokens = {s: 0 for s in strategies}
     seconds = {s: 0.0 for s in strategies}
+    valid = 0  # replies that parse and validate against the schema
     for text in TEXTS:
         ask = f"Extract the facts of this text as JSON: {text}"
         if lm.tokenizer.chat_template:  # else the instruction as plain text
@@ -68,8 +84,11 @@ def main() -> None:
             )
             if reference is None:
                 reference = result
-                if result.finish_reason == "stop":
+                try:
                     jsonschema.validate(json.loads(result.text), SCHEMA)
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError) as error:
+                    print(f"not valid ({result.finish_reason}): {error}", flush=True)
             elif result.token_ids != reference.token_ids:
                 raise SystemExit(f"{strategy} differs from {strategies[0]} on {text!r}")
             tokens[strategy] += result.stats.new_tokens
@@ -84,7 +103,10 @@ def main() -> None:
     environment = run_environment(lm)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
-        json.dumps({"environment": environment, "model": lm.name, "rows": rows}, indent=1) + "\n"
+        json.dumps(
+            {"environment": environment, "model": lm.name, "valid": valid, "rows": rows}, indent=1
+        )
+        + "\n"
     )
     lines = [
         "| strategy | tokens | decode tokens/s | vs " + strategies[0] + " |",
@@ -96,7 +118,8 @@ def main() -> None:
     (args.out / "table.md").write_text(
         f"# Constrained decoding by strategy ({lm.name})\n\nCPU: {environment['cpu']}; "
         f"threads {environment['threads']}; `{environment['command']}`; {len(TEXTS)} prompts, "
-        "greedy, every strategy's tokens equal to the first's.\n\n" + "\n".join(lines) + "\n"
+        f"greedy, every strategy's tokens equal to the first's; {valid} of {len(TEXTS)} replies "
+        "parse and validate against the schema.\n\n" + "\n".join(lines) + "\n"
     )
 
 

@@ -218,9 +218,10 @@ def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     if key_length is not None and "head_dim" not in values:  # Qwen3's differs from hidden / heads
         values["head_dim"] = int(key_length)
     rotated = header.metadata.get(f"{architecture}.rope.dimension_count")
-    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
-    if rotated is not None and int(rotated) < head_dim:  # Phi-4-mini: part of each head
-        values["partial_rotary_factor"] = int(rotated) / head_dim
+    if rotated is not None and "hidden_size" in values and "num_attention_heads" in values:
+        head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+        if int(rotated) < head_dim:  # Phi-4-mini: part of each head
+            values["partial_rotary_factor"] = int(rotated) / head_dim
     if values.get("model_type") == "gemma3":  # the file holds the text model alone
         values["model_type"] = "gemma3_text"
     if architecture == "olmo2" and f"{architecture}.attention.sliding_window" in header.metadata:
