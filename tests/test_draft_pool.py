@@ -7,6 +7,7 @@ equal to `ar`'s, the flag turning it off, bad values refused naming the field)."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from helpers import TIMEOUT, tiny_lm
 
 import delspec
-from delspec.drafting.context_drafts import MAX_MATCH, POOL, SEQUENCE
+from delspec.drafting.context_drafts import POOL, SEQUENCE
 from delspec.drafting.draft_pool import LEAD_IN, DraftPool
 from delspec.errors import ConfigError
 from delspec.policies.fast_state import ContextScore
@@ -88,7 +89,7 @@ def test_a_reply_is_led_in_by_the_end_of_its_prompt(smollm2: LoadedModel) -> Non
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_a_bad_bound_is_refused(bad: Any) -> None:
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ConfigError, match="max_tokens must be an integer >= 1"):
         DraftPool(bad)
 
 
@@ -143,6 +144,15 @@ def test_ar_fills_the_pool_but_never_drafts_from_it(smollm2: LoadedModel) -> Non
     assert again.token_ids == result.token_ids and again.stats.pool_drafted > 0
 
 
+def test_a_session_drafts_from_its_pool(smollm2: LoadedModel) -> None:
+    ar = delspec.generate(smollm2, QUESTION, max_new_tokens=32, strategy="ar")
+    session = delspec.Session(smollm2, draft_pool=DraftPool(4096))
+    first = session.generate(QUESTION, max_new_tokens=32)
+    again = session.generate(QUESTION, max_new_tokens=32)
+    assert first.token_ids == again.token_ids == ar.token_ids
+    assert again.stats.pool_drafted > 0 and len(session.draft_pool or ()) > 0
+
+
 # The server, through the openai client.
 
 
@@ -190,6 +200,30 @@ def test_the_server_drafts_a_repeated_answer_from_the_pool(
     assert ask(pooled_url, smollm2, other) == ask(pooled_url, smollm2, other, strategy="ar")
 
 
+def test_batched_requests_share_the_pool_and_answer_as_ar(
+    pooled_url: str, smollm2: LoadedModel
+) -> None:
+    """Requests that run together (batched steps: their context drafts, from the pool too, are
+    rows of the shared pass where the step's cost pays for them) still give `ar`'s answers."""
+    questions = [[{"role": "user", "content": f"Spell the word {w}, one letter per line."}]
+                 for w in ("planet", "garden")]  # fmt: skip
+    ar = [ask(pooled_url, smollm2, q, strategy="ar") for q in questions]
+    before = samples(pooled_url)
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda q: ask(pooled_url, smollm2, q), questions * 2))
+    assert replies == ar * 2
+    after = samples(pooled_url)
+    requests, steps = (
+        after[k] - before[k] for k in ("delspec_batch_size_sum", "delspec_batch_size_count")
+    )
+    assert requests > steps  # some step ran more than one request
+    drafted, accepted = (
+        after[k] - before[k]
+        for k in ("delspec_pool_draft_tokens_total", "delspec_pool_accepted_draft_tokens_total")
+    )
+    assert 0 <= accepted <= drafted
+
+
 def test_the_servers_pool_keeps_its_bound(smollm2: LoadedModel) -> None:
     bound = 150
     with running(create_app(smollm2, max_batch=2, draft_pool_tokens=bound)) as url:
@@ -197,7 +231,7 @@ def test_the_servers_pool_keeps_its_bound(smollm2: LoadedModel) -> None:
         for i in range(4):
             ask(url, smollm2, [{"role": "user", "content": f"Count from {i} to {i + 30}."}])
             held.append(samples(url)["delspec_draft_pool_tokens"])
-    assert 0 < held[0] and all(0 < tokens <= bound for tokens in held)
+    assert held[0] > 0 and all(0 < tokens <= bound for tokens in held)
     assert held[0] < bound  # one reply of 48 tokens and its lead-in: the bound not reached
 
 

@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Sequence
 
 from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, POOL, ContextProposal
+from delspec.errors import ConfigError, is_integer
 
 POOL_MIN_NGRAM = 2  # one shared token says little across unrelated replies
 POOL_MAX_NGRAM = 4
@@ -39,10 +40,10 @@ class DraftPool:
     def __init__(
         self, max_tokens: int, min_ngram: int = POOL_MIN_NGRAM, max_ngram: int = POOL_MAX_NGRAM
     ) -> None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if not is_integer(max_tokens) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_tokens, self.min_ngram, self.max_ngram = max_tokens, min_ngram, max_ngram
         self.tokens: list[int] = []  # the stored tokens, oldest first
         self.base = 0  # the position (counted since the pool began) of tokens[0]

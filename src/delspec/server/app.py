@@ -111,9 +111,7 @@ def create_app(
     drafts = BatchDrafts(batch_seconds)
     cache_mb = DEFAULT_PROMPT_CACHE_MB if prompt_cache_mb is None else prompt_cache_mb
     pool = DEFAULT_DRAFT_POOL_TOKENS if draft_pool_tokens is None else draft_pool_tokens
-    worker = Worker(
-        lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb, pool
-    )
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb, pool)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager

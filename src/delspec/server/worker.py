@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT_CACHE_MB = 256.0  # MiB of evicted prompt prefixes kept unless told otherwise
-# Tokens of earlier replies the draft pool keeps (`DraftPool`): a few hundred replies, a few
+# Tokens of earlier replies the draft pool keeps (`DraftPool`): a few hundred replies, tens of
 # MiB of index; small beside the KV cache.
 DEFAULT_DRAFT_POOL_TOKENS = 32768
 
