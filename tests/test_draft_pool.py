@@ -16,6 +16,8 @@ import pytest
 from helpers import TIMEOUT, tiny_lm
 
 import delspec
+from delspec.decoding.generate import encode_prompt
+from delspec.decoding.grammar import grammar_available, json_grammar
 from delspec.drafting.context_drafts import POOL, SEQUENCE
 from delspec.drafting.draft_pool import LEAD_IN, DraftPool
 from delspec.errors import ConfigError
@@ -130,6 +132,43 @@ def test_a_repeated_question_drafts_from_the_pool_and_answers_as_ar(
     # without the pool, no pool drafts
     alone = delspec.generate(smollm2, QUESTION, max_new_tokens=48, **options)
     assert alone.token_ids == ar.token_ids and alone.stats.pool_drafted == 0
+
+
+@pytest.mark.skipif(not grammar_available(), reason="structured output needs llguidance")
+@pytest.mark.parametrize("strategy", ["del-fast", "lookup"])
+def test_pool_drafts_under_a_grammar_give_constrained_ar_tokens(
+    smollm2: LoadedModel, strategy: str
+) -> None:
+    """Pool drafts are cut at the first token the grammar rejects, like any context draft: a
+    repeated structured request drafts from the first reply and gives constrained `ar`'s."""
+    grammar = json_grammar()
+    ask = [{"role": "user", "content": "Describe a cat as a JSON object with name and age."}]
+    ar = delspec.generate(smollm2, ask, max_new_tokens=40, strategy="ar", grammar=grammar)
+    pool = DraftPool(4096)
+    for _ in range(2):
+        result = delspec.generate(
+            smollm2, ask, max_new_tokens=40, strategy=strategy, grammar=grammar, draft_pool=pool
+        )
+        assert result.token_ids == ar.token_ids
+    assert result.stats.pool_accepted > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_wrong_pool_drafts_are_rejected_and_the_answer_is_ars(
+    smollm2: LoadedModel, sampled: bool
+) -> None:
+    """A pool whose stored reply to the very same prompt is another text: `lookup` drafts it
+    (it drafts whatever is proposed), the verifier rejects it, and the tokens are `ar`'s."""
+    options: dict[str, Any] = {"temperature": 0.8, "seed": 11} if sampled else {}
+    ar = delspec.generate(smollm2, QUESTION, max_new_tokens=32, strategy="ar", **options)
+    pool = DraftPool(4096)
+    wrong = words(smollm2, "Sure! Here are some facts about volcanoes and lava flows instead.")
+    pool.add(encode_prompt(smollm2, QUESTION, False), wrong)
+    result = delspec.generate(
+        smollm2, QUESTION, max_new_tokens=32, strategy="lookup", draft_pool=pool, **options
+    )
+    assert result.token_ids == ar.token_ids
+    assert result.stats.pool_drafted > result.stats.pool_accepted
 
 
 def test_ar_fills_the_pool_but_never_drafts_from_it(smollm2: LoadedModel) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 from delspec.decoding.engine import Engine, through_eos
 from delspec.decoding.grammar import Constraint
 from delspec.decoding.sampling import Sampling
-from delspec.drafting.context_drafts import POOL
+from delspec.drafting.context_drafts import NO_PROPOSAL, POOL
 from delspec.drafting.draft_pool import DraftPool
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, is_integer
@@ -119,7 +119,7 @@ class Decoding:
             constraint,
             pool,
         )
-        self.pool_offered = False  # whether `proposal`'s tokens came from the pool
+        self.pool_offered = 0  # how many of `proposal`'s tokens came from the pool
         self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
         self.totals = _Totals(model.num_layers, len(self.prompt))
         self.rounds: list[dict[str, Any]] | None = [] if trace else None
@@ -170,12 +170,13 @@ class Decoding:
         """Up to `limit` context draft tokens for a batched step (none unless the strategy
         drafts from the context), through the first end of sequence."""
         limit = min(limit, self.draft_room)
-        tokens, self.pool_offered = [], False
+        proposal = NO_PROPOSAL
         if self.policy.context_ngrams is not None:
             proposal = self.engine.propose(limit)
-            tokens = through_eos(proposal.tokens, self.eos)
-            self.pool_offered = proposal.source == POOL
-        return self._grammar_context(tokens, limit)
+        tokens = through_eos(proposal.tokens, self.eos)
+        kept = self._grammar_context(tokens, limit)
+        self.pool_offered = _common_prefix(kept, tokens) if proposal.source == POOL else 0
+        return kept
 
     def _grammar_context(self, tokens: list[int], limit: int) -> list[int]:
         """Context draft `tokens` under the grammar (unchanged without one): cut at the first
@@ -199,7 +200,8 @@ class Decoding:
         plan = policy.plan(proposal)
         context = self._grammar_context(list(plan.context[:budget]), budget)
         cap = min(plan.draft_cap, budget - len(context))
-        pooled = [0, len(context) if proposal.source == POOL else 0]  # (offset, count)
+        # (after how many drafts, how many) draft tokens came from the pool (not the grammar)
+        pooled = [0, _common_prefix(context, plan.context) if proposal.source == POOL else 0]
         then = None
         if policy.context_ngrams is not None:
 
@@ -237,7 +239,8 @@ class Decoding:
         self.engine.discard_warmup()
         record.verify_s = seconds
         self.totals.add(record, 0.0)
-        self.totals.pooled(record.accepted, 0, len(context) if self.pool_offered else 0)
+        self.totals.pooled(record.accepted, 0, min(len(context), self.pool_offered))
+        self.pool_offered = 0
         self.decode_s += seconds
         tokens = self._committed(record)
         return tokens, min(record.accepted, len(tokens))
@@ -401,6 +404,13 @@ def _logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]
     best = logp.topk(top, -1)
     ids, values = best.indices.tolist(), best.values.tolist()
     return [(value, list(zip(ids[i], values[i], strict=True))) for i, value in enumerate(chosen)]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
