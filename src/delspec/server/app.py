@@ -73,14 +73,13 @@ def create_app(
     (default: `request_timeout`) its wait in the queue. `model_name` (default `lm.name`) is the
     id the server lists; clients may also name the model by any of `aliases` (e.g. the name it
     was loaded by). A request body of more than `max_body_mb` MiB (default:
-    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled
-    at most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
-    running ones. A joining prompt reuses the cache entries of its longest prefix that a slot
-    holds or that up to `prompt_cache_mb` MiB of prefixes evicted from slots keep (default:
-    `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). Context drafts may also come from one pool of
-    the newest `draft_pool_tokens` tokens of earlier replies, shared by all requests (default:
-    `DEFAULT_DRAFT_POOL_TOKENS`; 0: no pool). Raises `ConfigError` for invalid settings.
-    """
+    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled at
+    most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
+    running ones, and reuses the cache entries of its longest prefix that a slot holds or that
+    up to `prompt_cache_mb` MiB of prefixes evicted from slots keep (default:
+    `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). All requests share one pool of context drafts: the
+    newest `draft_pool_tokens` tokens of replies (`DEFAULT_DRAFT_POOL_TOKENS`; 0: none).
+    Raises `ConfigError` for invalid settings."""
     config, context, queue_timeout = check_options(
         lm,
         config,

@@ -45,11 +45,6 @@ class Metrics:
             "Bytes of evicted prompt prefixes kept (serve --prompt-cache-mb).",
             registry=registry,
         )
-        self.pool_tokens = Gauge(
-            "delspec_draft_pool_tokens",
-            "Tokens of earlier replies the draft pool holds (serve --draft-pool-tokens).",
-            registry=registry,
-        )
         self.generated_tokens = Counter(
             "delspec_generated_tokens", "Tokens generated.", registry=registry
         )
@@ -57,17 +52,7 @@ class Metrics:
         self.accepted = Counter(
             "delspec_accepted_draft_tokens", "Draft tokens accepted.", registry=registry
         )
-        self.pool_drafted = Counter(
-            "delspec_pool_draft_tokens",
-            "Draft tokens proposed from the draft pool of earlier replies (serve "
-            "--draft-pool-tokens; counted in delspec_draft_tokens too).",
-            registry=registry,
-        )
-        self.pool_accepted = Counter(
-            "delspec_pool_accepted_draft_tokens",
-            "Draft tokens from the draft pool that were accepted.",
-            registry=registry,
-        )
+        self._pool_metrics(registry)
         self.tokens_per_s = Gauge(
             "delspec_tokens_per_second",
             "Decoding speed of the last generation.",
@@ -105,6 +90,25 @@ class Metrics:
             "delspec_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.",
             buckets=_SECONDS,
+            registry=registry,
+        )
+
+    def _pool_metrics(self, registry: CollectorRegistry) -> None:
+        """The draft pool's metrics (`DraftPool`: context drafts from earlier replies)."""
+        self.pool_drafted = Counter(
+            "delspec_pool_draft_tokens",
+            "Draft tokens proposed from the draft pool of earlier replies (serve "
+            "--draft-pool-tokens; counted in delspec_draft_tokens too).",
+            registry=registry,
+        )
+        self.pool_accepted = Counter(
+            "delspec_pool_accepted_draft_tokens",
+            "Draft tokens from the draft pool that were accepted.",
+            registry=registry,
+        )
+        self.pool_tokens = Gauge(
+            "delspec_draft_pool_tokens",
+            "Tokens of earlier replies the draft pool holds (serve --draft-pool-tokens).",
             registry=registry,
         )
 
