@@ -35,6 +35,10 @@ RECORDS = [
     "Lena Novak, a 45-year-old teacher, lives in Prague.",
     "Samuel Okafor, 39, is a pharmacist based in Lagos.",
     "Priya Sharma works as an architect in Pune; she is 31.",
+    "Jonas Berg, 62, is a retired pilot who lives in Oslo.",
+    "Fatima Haddad is a 29-year-old journalist from Beirut.",
+    "Carlos Mendes (48) runs a bakery in Porto.",
+    "Olga Ivanova, 36, is a chemist working in Kazan.",
 ]
 TEMPLATE = (
     "Extract the person's details from the text below as JSON with the keys "
