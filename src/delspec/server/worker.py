@@ -33,6 +33,7 @@ from delspec.decoding.generate import TextDecoding
 from delspec.decoding.prefill import Prefill, prefill_chunk
 from delspec.decoding.prefix import EMPTY, Held
 from delspec.drafting.batch_drafts import BatchDrafts
+from delspec.drafting.context_drafts import POOL, SEQUENCE
 from delspec.drafting.draft_pool import DraftPool
 from delspec.errors import DelspecError
 from delspec.server.metrics import Metrics
@@ -249,9 +250,11 @@ class Worker:
                 pieces = [running[0].text.advance()]
             else:
                 decodings = [r.text.decoding for r in running]
-                drafts = self.drafts.choose([d.proposal(self.drafts.limit) for d in decodings])
+                proposals = [d.proposal(self.drafts.limit) for d in decodings]
+                sources = [POOL if d.pool_offered else SEQUENCE for d in decodings]
+                drafts = self.drafts.choose(proposals, sources)
                 committed = step_together(decodings, drafts)
-                self.drafts.observe(drafts, [accepted for _, accepted in committed])
+                self.drafts.observe(drafts, [accepted for _, accepted in committed], sources)
                 pieces = [r.text.take(*c) for r, c in zip(running, committed, strict=True)]
         except Exception as exc:  # the whole step failed: every job in it gets the error
             for entry in running:
