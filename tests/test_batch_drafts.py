@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from delspec.drafting.batch_drafts import BatchDrafts
+from delspec.drafting.context_drafts import POOL, SEQUENCE
 
 # a CPU-like batched step: rows nearly free up to 8, then about linear
 CHEAP_ROWS = {1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 16: 2.2, 32: 4.4}
@@ -38,9 +39,18 @@ def test_acceptance_is_learned_per_draft_index():
     for _ in range(20):  # every draft accepted: the chances rise towards 1
         drafts.observe([[1, 2, 3]], [3])
     assert drafts.choose([[1, 2, 3]]) == [[1, 2, 3]]
-    second = drafts.seen[1]
+    second = drafts.seen[SEQUENCE, 1]
     for _ in range(40):  # now the first is always rejected
         drafts.observe([[1, 2, 3]], [0])
     assert drafts.choose([[1, 2, 3]]) == [[]]
     # a rejected first token decides nothing about the second: its counts only decay
-    assert drafts.seen[1] == pytest.approx(second * 0.95**40)
+    assert drafts.seen[SEQUENCE, 1] == pytest.approx(second * 0.95**40)
+
+
+def test_pool_drafts_are_learned_apart_from_the_sequences_own():
+    drafts = BatchDrafts({1: 1.0, 2: 1.45, 4: 2.35, 8: 4.15})
+    for _ in range(20):  # the sequence's own drafts accepted, the pool's rejected
+        drafts.observe([[1, 2, 3], [4, 5, 6]], [3, 0], [SEQUENCE, POOL])
+    proposals = [[1, 2, 3], [4, 5, 6]]
+    assert drafts.choose(proposals, [SEQUENCE, POOL]) == [[1, 2, 3], []]
+    assert drafts.choose(proposals, [POOL, SEQUENCE]) == [[], [4, 5, 6]]

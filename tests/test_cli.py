@@ -168,6 +168,7 @@ def test_bad_input_is_a_message_and_exit_2(smollm2, capsys, argv, message):
         (["serve", "--max-body-mb", "0"], "--max-body-mb: expected a number > 0, got '0'"),
         (["serve", "--prefill-chunk", "0"], "--prefill-chunk: expected an integer >= 1"),
         (["serve", "--prompt-cache-mb", "-1"], "--prompt-cache-mb: expected a number >= 0"),
+        (["serve", "--draft-pool-tokens", "-5"], "--draft-pool-tokens: expected an integer >= 0"),
         (["bench-serve", "--soak", "0"], "--soak: expected a number > 0, got '0'"),
         (["bench-serve", "--soak", "5", "--stress"], "not allowed with argument --soak"),
         (["serve", "--port", "99999"], "--port: expected an integer 0..65535, got '99999'"),

@@ -321,7 +321,9 @@ def test_first_tokens_and_runs_are_counted_apart():
         score.count([(1, [False])])
     first, then = score.acceptance(1)
     assert 0.2 < first < 0.3 and 0.7 < then < 0.8
-    firsts, runs = np.split(score.stats.matched, 2)  # first-token rows, then all-token rows
+    own, pool = np.split(score.stats.matched, score.SOURCES)  # the sequence's rows, the pool's
+    firsts, runs = np.split(own, 2)  # first-token rows, then all-token rows
+    assert not pool.any()
     assert firsts[0] > 0 and runs[0] > firsts[0] and not firsts[1:].any() and not runs[1:].any()
 
 

@@ -14,6 +14,7 @@ from delspec.decoding.generate import Result, Stats, generate
 from delspec.decoding.grammar import Grammar, json_grammar
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.session import Session
+from delspec.drafting.draft_pool import DraftPool
 from delspec.errors import ConfigError, ContextLengthError, DelspecError, ModelFormatError
 from delspec.weights.loading import LoadedModel, load_model
 
@@ -24,6 +25,7 @@ __all__ = [
     "DecodeConfig",
     "DelspecError",
     "DraftConfig",
+    "DraftPool",
     "Grammar",
     "LoadedModel",
     "ModelFormatError",

@@ -294,6 +294,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "start with them (0: none; a slot's own prefix is reused still) (default: 256)",
     )
     srv.add_argument(
+        "--draft-pool-tokens",
+        type=non_negative_int,
+        help="tokens of earlier replies kept as a shared source of context drafts for later "
+        "requests that repeat them (0: none) (default: 32768)",
+    )
+    srv.add_argument(
         "--replicas",
         type=positive_int,
         help="copies of the server behind one API, each a process with its own model and "
@@ -319,6 +325,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_body_mb": args.max_body_mb,
         "prefill_chunk": args.prefill_chunk,
         "prompt_cache_mb": args.prompt_cache_mb,
+        "draft_pool_tokens": args.draft_pool_tokens,
     }
     options = {**settings, "model_name": args.served_model_name}
     if args.replicas is None:

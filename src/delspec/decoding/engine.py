@@ -39,7 +39,8 @@ from torch import Tensor
 
 from delspec.decoding.grammar import Constraint
 from delspec.decoding.sampling import Sampler, Sampling, as_rows
-from delspec.drafting.context_drafts import NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
+from delspec.drafting.draft_pool import DraftPool
 from delspec.drafting.exit_head import ExitHead
 from delspec.kernels.scores import greedy_tokens, top_logsumexp
 from delspec.model.transformer import Transformer
@@ -60,7 +61,9 @@ class _Draft:
 class Engine:
     """Holds one sequence's committed tokens and runs rounds on its slot of a model's KV
     cache. With `context_ngrams` (n-gram orders), it keeps a `ContextIndex` of the sequence
-    (`propose`). With `constraint`, its output matches a grammar (module docstring)."""
+    (`propose`), and with a `pool` also proposes from what was generated before where the pool's
+    match reaches further back than the sequence's own. With `constraint`, its output matches a
+    grammar (module docstring)."""
 
     def __init__(
         self,
@@ -71,8 +74,10 @@ class Engine:
         slot: int = 0,
         context_ngrams: tuple[int, int] | None = None,
         constraint: Constraint | None = None,
+        pool: DraftPool | None = None,
     ) -> None:
         self.model = model
+        self.pool = pool
         self.grammar = constraint
         self.slot = slot
         self.sampling = sampling
@@ -133,8 +138,19 @@ class Engine:
 
     def propose(self, limit: int, after: list[int] | None = None) -> ContextProposal:
         """Up to `limit` context draft tokens after the newest one, or after it and the tokens
-        `after` (none without an index)."""
-        return NO_PROPOSAL if self.index is None else self.index.propose(limit, after or ())
+        `after` (none without an index): the sequence's own proposal, or the pool's where its
+        match is longer (the pool is not asked when the sequence's reaches `MAX_MATCH`)."""
+        if self.index is None:
+            return NO_PROPOSAL
+        own = self.index.propose(limit, after or ())
+        pool = self.pool
+        if pool is None or not pool.tokens or own.match_length >= MAX_MATCH:
+            return own
+        recent = self.tokens[-MAX_MATCH:]
+        if after:
+            recent = recent + after
+        found = pool.propose(recent, limit)
+        return found if found.match_length > own.match_length else own
 
     def discard_warmup(self) -> None:
         """Forget the prompt states kept for the first round (it is not this engine's)."""

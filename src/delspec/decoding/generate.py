@@ -15,6 +15,7 @@ from delspec.decoding.grammar import Constraint, Grammar
 from delspec.decoding.sampling import Sampling
 from delspec.decoding.sequence import Decoding, Stats, TokenLogprob
 from delspec.drafting.draft_head import draft_head
+from delspec.drafting.draft_pool import DraftPool
 from delspec.errors import ConfigError, is_integer
 from delspec.policies import make_policy
 
@@ -238,6 +239,7 @@ class TextDecoding:
         slot: int = 0,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        draft_pool: DraftPool | None = None,
     ) -> None:
         policy = make_policy(config, lm.model.num_layers)
         constraint = None if grammar is None else Constraint(lm, grammar)
@@ -254,6 +256,7 @@ class TextDecoding:
             slot=slot,
             logprobs=logprobs,
             constraint=constraint,
+            pool=draft_pool,
         )
         self.stream = TextStream(lm.tokenizer, prompt_ids, checked_stop(stop))
 
@@ -293,6 +296,7 @@ def generate(
     logprobs: int | None = None,
     session: Session | None = None,
     grammar: Grammar | None = None,
+    draft_pool: DraftPool | None = None,
     **options: Any,
 ) -> Result:
     """Generate a continuation of `prompt` as `config` says (default `DecodeConfig()`:
@@ -312,6 +316,8 @@ def generate(
     first tokens (the conversation so far) and keep this prompt's and reply's for its next call.
     `grammar` (`json_grammar(schema)`: JSON matching a schema, or any JSON object) constrains
     the output to it (needs the `grammar` extra); every strategy gives constrained `ar`'s tokens.
+    `draft_pool` (a `DraftPool`, shared by the calls that pass it): a strategy that drafts from
+    its context also drafts from the replies the pool holds, and this reply is added to it.
     Keyword `options` update the config (`DecodeConfig.updated`), e.g.
     `strategy="static", exit_layer=4` or `adapters=None`. The output does not depend on the
     config: greedy output is the model's own greedy output. Bad arguments raise `ConfigError`.
@@ -329,6 +335,7 @@ def generate(
         trace=trace,
         logprobs=logprobs,
         grammar=grammar,
+        draft_pool=draft_pool,
     )
     emit = on_text or (lambda piece, kind: None)
     if session is None:

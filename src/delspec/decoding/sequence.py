@@ -18,6 +18,8 @@ from torch import Tensor
 from delspec.decoding.engine import Engine, through_eos
 from delspec.decoding.grammar import Constraint
 from delspec.decoding.sampling import Sampling
+from delspec.drafting.context_drafts import NO_PROPOSAL, POOL
+from delspec.drafting.draft_pool import DraftPool
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError, ContextLengthError, is_integer
 from delspec.machine.timing import synchronize
@@ -53,6 +55,8 @@ class Stats:
     mixed_rounds: int = 0  # rounds with both (context drafts before the layer's or after)
     context_drafted: int = 0
     context_accepted: int = 0
+    pool_drafted: int = 0  # context draft tokens from the draft pool (included above)
+    pool_accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0  # statistics work between rounds (DEL's shadow tokens)
@@ -79,6 +83,9 @@ class Decoding:
     most likely tokens'. With `constraint`, the output matches its grammar (`Engine`): context
     drafts are cut at their first token it rejects and, for a strategy that drafts, the
     tokens it forces are drafted when the context offers none that it accepts.
+
+    With a `pool` (`DraftPool`), a strategy that drafts from its context may also draft from
+    earlier replies; `finish` adds this reply to the pool (under every strategy).
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class Decoding:
         slot: int = 0,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        pool: DraftPool | None = None,
     ) -> None:
         self.prompt = _checked_prompt(prompt_ids, max_new_tokens, model.config.max_position)
         self.max_new_tokens = max_new_tokens
@@ -109,7 +117,9 @@ class Decoding:
             slot,
             policy.context_ngrams,
             constraint,
+            pool,
         )
+        self.pool_offered = 0  # how many of `proposal`'s tokens came from the pool
         self.capacity = min(model.config.max_position, len(self.prompt) + max_new_tokens)
         self.totals = _Totals(model.num_layers, len(self.prompt))
         self.rounds: list[dict[str, Any]] | None = [] if trace else None
@@ -160,10 +170,13 @@ class Decoding:
         """Up to `limit` context draft tokens for a batched step (none unless the strategy
         drafts from the context), through the first end of sequence."""
         limit = min(limit, self.draft_room)
-        tokens = []
+        proposal = NO_PROPOSAL
         if self.policy.context_ngrams is not None:
-            tokens = through_eos(self.engine.propose(limit).tokens, self.eos)
-        return self._grammar_context(tokens, limit)
+            proposal = self.engine.propose(limit)
+        tokens = through_eos(proposal.tokens, self.eos)
+        kept = self._grammar_context(tokens, limit)
+        self.pool_offered = _common_prefix(kept, tokens) if proposal.source == POOL else 0
+        return kept
 
     def _grammar_context(self, tokens: list[int], limit: int) -> list[int]:
         """Context draft `tokens` under the grammar (unchanged without one): cut at the first
@@ -183,16 +196,22 @@ class Decoding:
         t0 = time.perf_counter()
         policy, engine = self.policy, self.engine
         budget = self.draft_room
-        plan = policy.plan(engine.propose(min(budget, policy.context_limit)))
+        proposal = engine.propose(min(budget, policy.context_limit))
+        plan = policy.plan(proposal)
         context = self._grammar_context(list(plan.context[:budget]), budget)
         cap = min(plan.draft_cap, budget - len(context))
+        # (after how many drafts, how many) draft tokens came from the pool (not the grammar)
+        pooled = [0, _common_prefix(context, plan.context) if proposal.source == POOL else 0]
         then = None
         if policy.context_ngrams is not None:
 
             def then(drafted: list[int], last: bool) -> list[int]:
                 limit = min(budget - len(drafted), policy.context_limit)
                 proposal = engine.propose(limit, drafted)
-                return policy.follow(proposal, len(drafted) - len(context), last)[:limit]
+                taken = policy.follow(proposal, len(drafted) - len(context), last)[:limit]
+                if taken and proposal.source == POOL:
+                    pooled[:] = [len(drafted), len(taken)]
+                return taken
 
         record = engine.round(
             plan.exit_layer,
@@ -206,6 +225,7 @@ class Decoding:
         t_obs = time.perf_counter()
         policy.observe(record)
         self.totals.add(record, time.perf_counter() - t_obs)
+        self.totals.pooled(record.accepted, *pooled)
         tokens = self._committed(record)
         synchronize(self.model.device)
         self.decode_s += time.perf_counter() - t0
@@ -219,6 +239,8 @@ class Decoding:
         self.engine.discard_warmup()
         record.verify_s = seconds
         self.totals.add(record, 0.0)
+        self.totals.pooled(record.accepted, 0, min(len(context), self.pool_offered))
+        self.pool_offered = 0
         self.decode_s += seconds
         tokens = self._committed(record)
         return tokens, min(record.accepted, len(tokens))
@@ -252,6 +274,8 @@ class Decoding:
         new = self.engine.tokens[len(self.prompt) :][: self.max_new_tokens]
         stats = self.totals.finish(len(new), self.prefill_s, self.decode_s)
         stats.cached_tokens = self.cached_tokens
+        if self.engine.pool is not None:  # whatever the strategy: the reply is the model's
+            self.engine.pool.add(self.prompt, new)
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
 
@@ -322,6 +346,13 @@ class _Totals:
             self.exit_sum += record.exit_layer
             stats.layer_rounds += 1
 
+    def pooled(self, accepted: int, offset: int, count: int) -> None:
+        """Count `count` context draft tokens of a round that came from the draft pool, drafted
+        after its first `offset` drafts, of which the round accepted `accepted` drafts."""
+        if count:
+            self.stats.pool_drafted += count
+            self.stats.pool_accepted += min(count, max(0, accepted - offset))
+
     def finish(self, new_tokens: int, prefill_s: float, decode_s: float) -> Stats:
         """The statistics of a generation of `new_tokens` tokens with these timings."""
         stats = self.stats
@@ -373,6 +404,13 @@ def _logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]
     best = logp.topk(top, -1)
     ids, values = best.indices.tolist(), best.values.tolist()
     return [(value, list(zip(ids[i], values[i], strict=True))) for i, value in enumerate(chosen)]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:

@@ -15,6 +15,7 @@ from delspec.decoding.prefix import EMPTY, Held, reusable
 if TYPE_CHECKING:
     from delspec.decode_config import DecodeConfig
     from delspec.decoding.sequence import Decoding
+    from delspec.drafting.draft_pool import DraftPool
     from delspec.weights.loading import LoadedModel
 
 
@@ -28,17 +29,23 @@ class Session:
     The session holds its own cache (one sequence of up to the longest prompt and reply so
     far), apart from the model's, so other generations with `lm` between its calls do not
     disturb it. One call at a time.
+
+    `draft_pool` (a `DraftPool`): every call drafts from it and adds its reply to it, unless a
+    call names another (`generate`'s `draft_pool`).
     """
 
-    def __init__(self, lm: LoadedModel) -> None:
+    def __init__(self, lm: LoadedModel, draft_pool: DraftPool | None = None) -> None:
         self.lm = lm
+        self.draft_pool = draft_pool
         self.held: Held = EMPTY  # what its cache holds
         self._cache: Tensor | None = None
 
     def generate(
         self, prompt: Prompt, config: DecodeConfig | None = None, **options: Any
     ) -> Result:
-        """`delspec.generate(lm, prompt, config, session=self, **options)`."""
+        """`delspec.generate(lm, prompt, config, session=self, **options)`, with the session's
+        draft pool unless `options` name one."""
+        options.setdefault("draft_pool", self.draft_pool)
         return generate(self.lm, prompt, config, session=self, **options)
 
     def reset(self) -> None:

@@ -6,20 +6,23 @@ less than a step of its own. A sequence whose strategy drafts from its context
 (`Decoding.proposal`) may add a row for each of its context draft tokens. `BatchDrafts` adds
 them one at a time, the likeliest to be accepted first, while the step's expected tokens per
 second still grow, and learns from every step how often the j-th draft token of a sequence is
-accepted once those before it were.
+accepted once those before it were, per source of the proposal (the sequence itself, or the
+draft pool of earlier replies: `delspec.drafting.draft_pool`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from delspec.drafting.context_drafts import POOL
+
 DRAFT_LIMIT = 8  # context draft tokens a sequence may verify in one batched step
 
 
 class BatchDrafts:
     """Chooses each batched step's context drafts from `seconds` (a batched step's measured
-    seconds by row count; none: no drafts) and decayed acceptance counts per draft index,
-    which start at `prior` (accepted, rejected) pseudo-counts."""
+    seconds by row count; none: no drafts) and decayed acceptance counts per source and draft
+    index, which start at `prior` (accepted, rejected) pseudo-counts."""
 
     def __init__(
         self,
@@ -32,8 +35,8 @@ class BatchDrafts:
         self.seconds = [seconds[r] for r in self.rows]
         self.limit = limit if self.rows else 0
         self.decay = decay
-        self.accepted = np.full(limit, prior[0])
-        self.seen = np.full(limit, prior[0] + prior[1])
+        self.accepted = np.full((POOL + 1, limit), prior[0])
+        self.seen = np.full((POOL + 1, limit), prior[0] + prior[1])
 
     def step_seconds(self, rows: int) -> float:
         """A batched step's seconds for `rows` rows: interpolated between the measured counts,
@@ -45,17 +48,21 @@ class BatchDrafts:
         per_row = (self.seconds[-1] - self.seconds[-2]) / (self.rows[-1] - self.rows[-2])
         return self.seconds[-1] + per_row * (rows - self.rows[-1])
 
-    def choose(self, proposals: list[list[int]]) -> list[list[int]]:
-        """Each sequence's draft: a prefix of its proposal, grown one token at a time where the
-        next token most likely to be accepted still adds expected tokens per second."""
+    def choose(
+        self, proposals: list[list[int]], sources: list[int] | None = None
+    ) -> list[list[int]]:
+        """Each sequence's draft: a prefix of its proposal (from `sources[i]`; default: each
+        sequence's own), grown one token at a time where the next token most likely to be
+        accepted still adds expected tokens per second."""
         if not self.limit:
             return [[] for _ in proposals]
-        rate = self.accepted / self.seen  # draft j accepted, once drafts before it were
+        rates = (self.accepted / self.seen).tolist()  # draft j accepted, once those before were
+        rate = [rates[s] for s in sources or [0] * len(proposals)]
         taken, chance = [0] * len(proposals), [1.0] * len(proposals)
         rows, expected = len(proposals), float(len(proposals))
         while True:
             gains = [
-                chance[i] * rate[taken[i]] if taken[i] < min(len(p), self.limit) else 0.0
+                chance[i] * rate[i][taken[i]] if taken[i] < min(len(p), self.limit) else 0.0
                 for i, p in enumerate(proposals)
             ]
             best = int(np.argmax(gains))
@@ -67,13 +74,17 @@ class BatchDrafts:
             chance[best], expected, rows = gain, expected + gain, rows + 1
         return [p[:k] for p, k in zip(proposals, taken, strict=True)]
 
-    def observe(self, drafts: list[list[int]], accepted: list[int]) -> None:
-        """Learn from a step: each sequence drafted `drafts[i]` and `accepted[i]` of them."""
+    def observe(
+        self, drafts: list[list[int]], accepted: list[int], sources: list[int] | None = None
+    ) -> None:
+        """Learn from a step: each sequence drafted `drafts[i]` (from `sources[i]`, default
+        its own) and `accepted[i]` of them."""
         if not any(drafts):
             return
         self.accepted *= self.decay
         self.seen *= self.decay
-        for draft, count in zip(drafts, accepted, strict=True):
+        sources = sources or [0] * len(drafts)
+        for draft, count, source in zip(drafts, accepted, sources, strict=True):
             decided = min(count + 1, len(draft))  # accepted ones, then the first rejected
-            self.seen[:decided] += 1.0
-            self.accepted[:count] += 1.0
+            self.seen[source, :decided] += 1.0
+            self.accepted[source, :count] += 1.0

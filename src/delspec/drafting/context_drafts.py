@@ -16,16 +16,21 @@ from typing import NamedTuple
 MIN_NGRAM = 1
 MAX_NGRAM = 4
 MAX_MATCH = 16  # the longest match length a proposal reports
+# Where a proposal's tokens come from: the sequence itself, or the pool of what was served
+# before (`delspec.drafting.draft_pool`); each source has acceptance statistics of its own.
+SEQUENCE, POOL = 0, 1
 
 
 class ContextProposal(NamedTuple):
     """Draft tokens found in the context, and how many of the sequence's newest tokens matched
     where the first of them was copied from (at least the n-gram order that found it, at most
     `MAX_MATCH`; 0: nothing matched). A long match (a passage being copied) predicts its
-    continuation far better than a single shared token does."""
+    continuation far better than a single shared token does. `source`: `SEQUENCE` or
+    `POOL`."""
 
     tokens: list[int]
     match_length: int
+    source: int = SEQUENCE
 
 
 NO_PROPOSAL = ContextProposal([], 0)

@@ -229,16 +229,16 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         self.context_score.proposed(proposal)
         plan = layer_plan
         if proposal.tokens and not self.in_warmup and isinstance(self.cost, MeasuredCost):
-            plan = self._with_context(layer_plan, proposal.tokens, proposal.match_length)
+            plan = self._with_context(layer_plan, *proposal)
         self.planned = plan
         return plan
 
-    def _with_context(self, layer_plan: Plan, tokens: list[int], match_length: int) -> Plan:
+    def _with_context(self, layer_plan: Plan, tokens: list[int], match: int, source: int) -> Plan:
         """`layer_plan`, or a round that drafts the best prefix of the context's `tokens` (found
-        by a suffix match of `match_length` tokens), alone or followed by `layer_plan`'s
+        by a suffix match of `match` tokens in `source`), alone or followed by `layer_plan`'s
         exit-layer drafts: whichever promises the most tokens per second."""
         cost = self.cost
-        first, then = self.context_score.acceptance(match_length)
+        first, then = self.context_score.acceptance(match, source)
         best, value, expected, best_expected, chance = 0, 0.0, 1.0, 1.0, first
         for k in range(1, len(tokens) + 1):  # draft the first k context tokens
             if chance < MIN_CHANCE:  # adds under 1% of a token, for another row to verify
@@ -291,7 +291,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         expected = layer_tokens[column[layer_drafts]]
         # the chance that all the layer's drafts are accepted: what the last one adds
         chance = expected - layer_tokens[column[layer_drafts - 1]]
-        first, then = self.context_score.acceptance(proposal.match_length)
+        first, then = self.context_score.acceptance(proposal.match_length, proposal.source)
         chance *= first
         best = 0
         for k in range(1, len(proposal.tokens) + 1):

@@ -9,7 +9,7 @@ import bisect
 import weakref
 from dataclasses import dataclass
 
-from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
+from delspec.drafting.context_drafts import NO_PROPOSAL, POOL, ContextProposal
 from delspec.policies.exit_statistics import ExitStatistics, position_sums
 from delspec.policies.protocol import Round
 
@@ -101,13 +101,19 @@ class ContextScore:
     A class's estimates start from the next shorter class's (`prior` pseudo-counts at its
     rates; the shortest: `prior` unseen misses, and continuation towards its own alpha): a
     longer match is no worse a guess than a shorter one, so a class seen a few times is not
-    priced as if its proposals had missed."""
+    priced as if its proposals had missed.
+
+    Each source of proposals (`ContextProposal.source`: the sequence, the draft pool) has rows
+    of its own: a match of the same length in earlier replies and in the sequence itself need
+    not be as good a guess."""
 
     CLASSES = len(MATCH_CLASSES)
+    SOURCES = POOL + 1
 
     def __init__(self, omega: float, prior: float) -> None:
         self.prior = prior
-        self.stats = ExitStatistics(2 * self.CLASSES, omega)  # first-token rows, then all-token
+        # per source: first-token rows, then all-token rows
+        self.stats = ExitStatistics(2 * self.CLASSES * self.SOURCES, omega)
         self.committed_tokens: list[int] = []  # since `origin`
         self.origin: int | None = None  # sequence position of committed_tokens[0]
         self.pending: list[tuple[int, ContextProposal]] = []  # (index in committed_tokens, ...)
@@ -125,12 +131,13 @@ class ContextScore:
         """The statistics class of a proposal whose match reached `match_length` tokens."""
         return bisect.bisect_right(MATCH_CLASSES, match_length) - 1
 
-    def acceptance(self, match_length: int) -> tuple[float, float]:
-        """A proposal whose match reached `match_length` tokens: the chance its first token is
-        accepted, and that a token after an accepted one is."""
+    def acceptance(self, match_length: int, source: int = 0) -> tuple[float, float]:
+        """A proposal from `source` whose match reached `match_length` tokens: the chance its
+        first token is accepted, and that a token after an accepted one is."""
         rates, prior, classes = self.stats.rates, self.prior, self.CLASSES
-        first, then = rates(0, prior)[0], rates(classes, prior)[1]
-        for row in range(1, self.match_class(match_length) + 1):
+        base = 2 * classes * source
+        first, then = rates(base, prior)[0], rates(base + classes, prior)[1]
+        for row in range(base + 1, base + self.match_class(match_length) + 1):
             first = rates(row, prior, (first, None))[0]
             then = rates(classes + row, prior, (0.0, then))[1]
         return first, then
@@ -170,7 +177,8 @@ class ContextScore:
     def settle(self) -> None:
         """Count the pending proposals that the tokens taken so far decide: those each `take`
         decided together, take after take (the decay as if each take had been settled)."""
-        settled: dict[int, list[tuple[int, list[bool]]]] = {}  # take -> its decided proposals
+        # (take, source) -> its decided proposals
+        settled: dict[tuple[int, int], list[tuple[int, list[bool]]]] = {}
         still = []
         for index, proposal in self.pending:
             outcome = _settled(proposal.tokens, self.committed_tokens, index)
@@ -178,17 +186,19 @@ class ContextScore:
                 still.append((index, proposal))
             else:
                 take = bisect.bisect_left(self.taken, index + len(outcome))
-                settled.setdefault(take, []).append((proposal.match_length, outcome))
+                key = (take, proposal.source)
+                settled.setdefault(key, []).append((proposal.match_length, outcome))
         self.pending, self.taken = still, []
-        for take in sorted(settled):
-            self.count(settled[take])
+        for take, source in sorted(settled):
+            self.count(settled[take, source], source)
 
-    def count(self, settled: list[tuple[int, list[bool]]]) -> None:
-        """Add settled proposals, (match length, whether each token matched up to and including
-        the first miss), in one update of each row they touch (confidence 1 for every token)."""
+    def count(self, settled: list[tuple[int, list[bool]]], source: int = 0) -> None:
+        """Add settled proposals from `source`, (match length, whether each token matched up to
+        and including the first miss), in one update of each row they touch (confidence 1 for
+        every token)."""
         sums: dict[int, list[float]] = {}  # row -> ExitStatistics' six sums
         for match_length, outcome in settled:
-            first = self.match_class(match_length)
+            first = self.match_class(match_length) + 2 * self.CLASSES * source
             for row, match in ((first, outcome[:1]), (self.CLASSES + first, outcome)):
                 add = position_sums(match, [1.0] * len(match))
                 into = sums.setdefault(row, [0.0] * 6)

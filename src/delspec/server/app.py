@@ -31,7 +31,12 @@ from delspec.server.protocol import (
     validation_error,
 )
 from delspec.server.service import Service
-from delspec.server.worker import DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_MB, Worker
+from delspec.server.worker import (
+    DEFAULT_DRAFT_POOL_TOKENS,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PROMPT_CACHE_MB,
+    Worker,
+)
 
 if TYPE_CHECKING:
     from delspec.weights.loading import LoadedModel
@@ -56,6 +61,7 @@ def create_app(
     max_body_mb: float | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_mb: float | None = None,
+    draft_pool_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI application serving `lm` with `config` (default `DecodeConfig()`), which a
     request's `delspec` options update.
@@ -67,12 +73,13 @@ def create_app(
     (default: `request_timeout`) its wait in the queue. `model_name` (default `lm.name`) is the
     id the server lists; clients may also name the model by any of `aliases` (e.g. the name it
     was loaded by). A request body of more than `max_body_mb` MiB (default:
-    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled
-    at most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
-    running ones. A joining prompt reuses the cache entries of its longest prefix that a slot
-    holds or that up to `prompt_cache_mb` MiB of prefixes evicted from slots keep (default:
-    `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). Raises `ConfigError` for invalid settings.
-    """
+    `DEFAULT_MAX_BODY_MB`) gets 413 (`BodyLimit`). A joining request's prompt is prefilled at
+    most `prefill_chunk` tokens (default: `DEFAULT_PREFILL_CHUNK`) between two steps of the
+    running ones, and reuses the cache entries of its longest prefix that a slot holds or that
+    up to `prompt_cache_mb` MiB of prefixes evicted from slots keep (default:
+    `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). All requests share one pool of context drafts: the
+    newest `draft_pool_tokens` tokens of replies (`DEFAULT_DRAFT_POOL_TOKENS`; 0: none).
+    Raises `ConfigError` for invalid settings."""
     config, context, queue_timeout = check_options(
         lm,
         config,
@@ -84,6 +91,7 @@ def create_app(
         max_body_mb,
         prefill_chunk,
         prompt_cache_mb,
+        draft_pool_tokens,
     )
     # the decoding's cost profile read, or measured thoroughly, now: inside the first request
     # it would hold that request and every one queued behind it
@@ -101,7 +109,8 @@ def create_app(
     span = measured_attention_span(lm.model)
     drafts = BatchDrafts(batch_seconds)
     cache_mb = DEFAULT_PROMPT_CACHE_MB if prompt_cache_mb is None else prompt_cache_mb
-    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb)
+    pool = DEFAULT_DRAFT_POOL_TOKENS if draft_pool_tokens is None else draft_pool_tokens
+    worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb, pool)
     service = Service(lm, config, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager
@@ -130,6 +139,7 @@ def check_options(
     max_body_mb: float | None = None,
     prefill_chunk: int | None = None,
     prompt_cache_mb: float | None = None,
+    draft_pool_tokens: int | None = None,
 ) -> tuple[DecodeConfig, int, float]:
     """`create_app`'s settings checked (`ConfigError` for the first bad one) and completed:
     the config, the context and the queue timeout, defaults filled in."""
@@ -150,6 +160,10 @@ def check_options(
         or not 0 <= prompt_cache_mb < float("inf")
     ):
         raise ConfigError(f"prompt_cache_mb must be a number >= 0, got {prompt_cache_mb!r}")
+    if draft_pool_tokens is not None and (
+        not is_integer(draft_pool_tokens) or draft_pool_tokens < 0
+    ):
+        raise ConfigError(f"draft_pool_tokens must be an integer >= 0, got {draft_pool_tokens!r}")
     queue_timeout = request_timeout if queue_timeout is None else queue_timeout
     if request_timeout <= 0 or queue_timeout <= 0:
         raise ConfigError(
@@ -229,7 +243,9 @@ def _add_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
         }
 
     def local_metrics() -> Collector:
-        return metrics.current(worker.depth, worker.active, worker.prompt_cache.nbytes)
+        pool = worker.draft_pool
+        pooled = 0 if pool is None else len(pool)
+        return metrics.current(worker.depth, worker.active, worker.prompt_cache.nbytes, pooled)
 
     app.state.local_metrics = local_metrics
     app.state.gather_metrics = None  # or async () -> Collector: all replicas' (`server.replicas`)

@@ -52,6 +52,7 @@ class Metrics:
         self.accepted = Counter(
             "delspec_accepted_draft_tokens", "Draft tokens accepted.", registry=registry
         )
+        self._pool_metrics(registry)
         self.tokens_per_s = Gauge(
             "delspec_tokens_per_second",
             "Decoding speed of the last generation.",
@@ -92,6 +93,25 @@ class Metrics:
             registry=registry,
         )
 
+    def _pool_metrics(self, registry: CollectorRegistry) -> None:
+        """The draft pool's metrics (`DraftPool`: context drafts from earlier replies)."""
+        self.pool_drafted = Counter(
+            "delspec_pool_draft_tokens",
+            "Draft tokens proposed from the draft pool of earlier replies (serve "
+            "--draft-pool-tokens; counted in delspec_draft_tokens too).",
+            registry=registry,
+        )
+        self.pool_accepted = Counter(
+            "delspec_pool_accepted_draft_tokens",
+            "Draft tokens from the draft pool that were accepted.",
+            registry=registry,
+        )
+        self.pool_tokens = Gauge(
+            "delspec_draft_pool_tokens",
+            "Tokens of earlier replies the draft pool holds (serve --draft-pool-tokens).",
+            registry=registry,
+        )
+
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
@@ -113,6 +133,8 @@ class Metrics:
         self.generated_tokens.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
+        self.pool_drafted.inc(stats.pool_drafted)
+        self.pool_accepted.inc(stats.pool_accepted)
         self.tokens_per_s.set(stats.tokens_per_s)
         if stats.acceptance_rate is not None:
             self.acceptance_rate.set(stats.acceptance_rate)
@@ -120,9 +142,13 @@ class Metrics:
             if entry["drafted"]:
                 self.exit_layer.observe(entry["exit_layer"])
 
-    def current(self, queue_depth: int, active: int, cache_bytes: int = 0) -> CollectorRegistry:
-        """The registry, its gauges of the queue and the prompt cache set to the state given."""
+    def current(
+        self, queue_depth: int, active: int, cache_bytes: int = 0, pool_tokens: int = 0
+    ) -> CollectorRegistry:
+        """The registry, its gauges of the queue, the prompt cache and the draft pool set to
+        the state given."""
         self.prompt_cache_bytes.set(cache_bytes)
+        self.pool_tokens.set(pool_tokens)
         self.queue_depth.set(queue_depth)
         self.active.set(active)
         self.busy.set(int(active > 0))

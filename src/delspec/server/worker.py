@@ -33,6 +33,8 @@ from delspec.decoding.generate import TextDecoding
 from delspec.decoding.prefill import Prefill, prefill_chunk
 from delspec.decoding.prefix import EMPTY, Held
 from delspec.drafting.batch_drafts import BatchDrafts
+from delspec.drafting.context_drafts import POOL, SEQUENCE
+from delspec.drafting.draft_pool import DraftPool
 from delspec.errors import DelspecError
 from delspec.server.metrics import Metrics
 from delspec.server.prompt_cache import PromptCache
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT_CACHE_MB = 256.0  # MiB of evicted prompt prefixes kept unless told otherwise
+# Tokens of earlier replies the draft pool keeps (`DraftPool`): a few hundred replies, tens of
+# MiB of index; small beside the KV cache.
+DEFAULT_DRAFT_POOL_TOKENS = 32768
 
 # Prompt rows prefilled between two steps of the running jobs (fewer further on in a prompt:
 # `delspec.decoding.prefill.chunk_rows`): short enough that the running jobs' steps are not
@@ -110,8 +115,9 @@ class Worker:
     """Runs jobs on one background thread, up to `max_batch` at a time in arrival order, each
     in a cache slot of `context` positions (prompt and reply), prompts prefilled
     `prefill_chunk` rows at a time, their prefixes reused from what the slots hold or from up
-    to `prompt_cache_mb` MiB of prefixes evicted from them (`PromptCache`). See the module
-    docstring."""
+    to `prompt_cache_mb` MiB of prefixes evicted from them (`PromptCache`). Every job whose
+    strategy drafts from its context shares one `DraftPool` of the newest `draft_pool_tokens`
+    tokens of finished replies (0: no pool). See the module docstring."""
 
     def __init__(
         self,
@@ -124,6 +130,7 @@ class Worker:
         attention_span: float = math.inf,
         drafts: BatchDrafts | None = None,
         prompt_cache_mb: float = DEFAULT_PROMPT_CACHE_MB,
+        draft_pool_tokens: int = DEFAULT_DRAFT_POOL_TOKENS,
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
@@ -136,6 +143,7 @@ class Worker:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="delspec-worker", daemon=True)
         self.prompt_cache = PromptCache(lm.model, max_batch, int(prompt_cache_mb * 2**20))
+        self.draft_pool = DraftPool(draft_pool_tokens) if draft_pool_tokens else None
 
     @property
     def depth(self) -> int:
@@ -210,7 +218,7 @@ class Worker:
             free = [s for s in range(self.max_batch) if s not in busy]
             slot, cached = self.prompt_cache.place(job.prompt_ids, free, busy)
             try:
-                options = {**job.options, "trace": True}
+                options = {**job.options, "trace": True, "draft_pool": self.draft_pool}
                 text = TextDecoding(self.lm, job.prompt_ids, job.config, slot=slot, **options)
                 self._joining.append(_Running(job, text, Prefill(text.decoding, cached)))
             except Exception as exc:  # reported to its client; the worker goes on serving
@@ -242,9 +250,11 @@ class Worker:
                 pieces = [running[0].text.advance()]
             else:
                 decodings = [r.text.decoding for r in running]
-                drafts = self.drafts.choose([d.proposal(self.drafts.limit) for d in decodings])
+                proposals = [d.proposal(self.drafts.limit) for d in decodings]
+                sources = [POOL if d.pool_offered else SEQUENCE for d in decodings]
+                drafts = self.drafts.choose(proposals, sources)
                 committed = step_together(decodings, drafts)
-                self.drafts.observe(drafts, [accepted for _, accepted in committed])
+                self.drafts.observe(drafts, [accepted for _, accepted in committed], sources)
                 pieces = [r.text.take(*c) for r, c in zip(running, committed, strict=True)]
         except Exception as exc:  # the whole step failed: every job in it gets the error
             for entry in running:
