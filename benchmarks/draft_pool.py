@@ -39,6 +39,16 @@ RECORDS = [
     "Fatima Haddad is a 29-year-old journalist from Beirut.",
     "Carlos Mendes (48) runs a bakery in Porto.",
     "Olga Ivanova, 36, is a chemist working in Kazan.",
+    "Ahmed Saleh, 57, is a tailor with a shop in Cairo.",
+    "Emma Wilson is a 23-year-old barista in Leeds.",
+    "Kenji Mori (44) teaches mathematics in Sapporo.",
+    "Sofia Rossi, 38, is a veterinarian living in Bologna.",
+    "Daniel Kim works as a firefighter in Busan; he is 30.",
+    "Ines Dubois, 66, is a retired librarian from Lyon.",
+    "Mateo Garcia is a 19-year-old student in Valencia.",
+    "Hannah Fischer, 41, is an engineer based in Graz.",
+    "Ravi Patel (52) drives a taxi in Leicester.",
+    "Nadia Kowalski, 27, is a photographer in Gdansk.",
 ]
 TEMPLATE = (
     "Extract the person's details from the text below as JSON with the keys "
@@ -55,6 +65,10 @@ UNRELATED = [
     "Write a haiku about autumn leaves.",
     "How does a bicycle stay upright?",
     "Suggest a name for a small bakery.",
+    "Explain what a black hole is to a child.",
+    "What should I pack for a weekend hike?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "How do vaccines train the immune system?",
 ]
 WORKLOADS = {
     "template": [TEMPLATE + record for record in RECORDS],
