@@ -55,10 +55,13 @@ from transformers import (
 
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
+from delspec.decoding.sequence import decode_tokens
 from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
+from delspec.kernels.blocks import advise_huge_pages
 from delspec.model.architectures import FAMILIES, config_from_hf
 from delspec.model.modules import rope_attention_factor
+from delspec.policies import make_policy
 from delspec.weights import gguf_file
 from delspec.weights.gguf_file import INDEX, GGUFFile
 from delspec.weights.gguf_header import read_header
@@ -219,6 +222,24 @@ def hf_dir(tmp_path: Path) -> Path:
 
 
 # --- named models and options ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_weights_in_huge_pages_decode_the_same_tokens():
+    """Native blocks in transparent huge pages (`--huge-pages`) hold the same tiles:
+    the same tokens as blocks in ordinary pages; Linux takes the hint unless its huge pages are
+    off."""
+    prompt = list(range(1, 20))
+    tokens = []
+    for huge in (False, True):
+        model = load_model("default", huge_pages=huge).model
+        policy = make_policy("ar", model.num_layers)
+        tokens.append(decode_tokens(model, prompt, policy, max_new_tokens=12).token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    off = not setting.is_file() or "[never]" in setting.read_text()
+    assert advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)) == (not off)
+    assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole huge page
 
 
 def test_default_model_is_the_embedded_smollm2():

@@ -59,6 +59,12 @@ def model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -
         help="weight format: native (a GGUF file's own quantised blocks), int8, float, or auto "
         "(native for GGUF files on CPU, float otherwise)",
     )
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="native weights in transparent huge pages: fewer TLB misses in each step, a slower "
+        "load (docs/models.md)",
+    )
 
 
 def decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,7 +237,13 @@ def load(args: argparse.Namespace) -> LoadedModel:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
+    return load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        huge_pages=args.huge_pages,
+    )
 
 
 def sampling_control_arguments(parser: argparse.ArgumentParser) -> None:

@@ -343,6 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.weights,
         args.threads or default_threads(args.replicas),
         options,
+        args.huge_pages,
     )
     serve_replicas(
         spec, args.replicas, host=args.host, port=args.port, ray_address=args.ray_address

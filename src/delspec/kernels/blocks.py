@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,26 @@ class Part:
     rows: int
 
 
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 Linux
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(tensor: Tensor) -> bool:
+    """Ask Linux to back `tensor`'s memory (the whole huge pages inside it) with transparent huge
+    pages, before anything is written to it: a decoding step streams every weight, and with
+    4 KB pages each 4 KB of it costs a TLB miss and stops the CPU's prefetcher at the page's
+    edge. The first write of each huge page costs more (the kernel may compact memory to find
+    one), so a load takes longer. A hint: whether it was taken (False elsewhere, or under
+    `transparent_hugepage=never`)."""
+    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if sys.platform != "linux" or end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
 class BlockWeight:
     """A linear weight `[out, in]` in GGUF blocks. See the module docstring."""
 
@@ -82,11 +103,17 @@ class BlockWeight:
 
     @classmethod
     def from_blocks(
-        cls, qtype: gguf.GGMLQuantizationType, data: Tensor | Sequence[Tensor], cols: int
+        cls,
+        qtype: gguf.GGMLQuantizationType,
+        data: Tensor | Sequence[Tensor],
+        cols: int,
+        huge_pages: bool = False,
     ) -> BlockWeight:
         """One part from GGUF rows, repacked here into tiles: `data` is uint8 `[rows, row_bytes]`
         of `qtype` blocks, or several such pieces whose rows follow one another. Rows are read
-        where they lie (any row stride: no copy of a file's map, nor of the pieces together)."""
+        where they lie (any row stride: no copy of a file's map, nor of the pieces together).
+        `huge_pages`: the tiles in transparent huge pages where Linux gives them
+        (`advise_huge_pages`)."""
         qtype = gguf.GGMLQuantizationType(qtype)
         if qtype not in KERNEL_TYPES:
             raise ModelFormatError(
@@ -110,6 +137,8 @@ class BlockWeight:
             torch.arange(start, start + len(p) * step, step, out=rows[at : at + len(p)])
             at += len(p)
         tiles = torch.empty(tile_bytes(qtype, len(rows), cols), dtype=torch.uint8)
+        if huge_pages:
+            advise_huge_pages(tiles)
         status = _library().dl_pack(
             int(qtype), rows.data_ptr(), len(rows), cols, tiles.data_ptr(), torch.get_num_threads()
         )

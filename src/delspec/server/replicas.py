@@ -42,6 +42,7 @@ class ReplicaSpec:
     weights: str | None = None
     threads: int = 1
     app_options: dict[str, Any] = field(default_factory=dict)
+    huge_pages: bool = False
 
 
 class Replica:
@@ -49,7 +50,13 @@ class Replica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         torch.set_num_threads(spec.threads)
-        lm = load_model(spec.model, device=spec.device, dtype=spec.dtype, weights=spec.weights)
+        lm = load_model(
+            spec.model,
+            device=spec.device,
+            dtype=spec.dtype,
+            weights=spec.weights,
+            huge_pages=spec.huge_pages,
+        )
         options = {"aliases": (lm.name, spec.model), **spec.app_options}
         self.server = create_app(lm, **options)
         self.server.state.gather_metrics = self.all_metrics

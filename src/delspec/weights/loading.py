@@ -111,6 +111,7 @@ def load_model(
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     weights: str | None = None,
+    huge_pages: bool = False,
 ) -> LoadedModel:
     """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory.
 
@@ -118,6 +119,8 @@ def load_model(
     (`delspec.model.transformer.WEIGHT_FORMATS`):
     "native" (a GGUF file's own quantised blocks), "int8" (8-bit blocks made from float
     weights) or "float"; None picks native for GGUF files on CPU, float otherwise.
+    `huge_pages`: native blocks in transparent huge pages (`kernels.blocks.advise_huge_pages`:
+    fewer TLB misses in each step, a slower load).
     """
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -134,7 +137,7 @@ def load_model(
     else:
         source = GGUFFile(path)
         directory, name = source.directory, path.stem
-    loaded = _load(directory, source, name, path, torch_dtype, device, weights)
+    loaded = _load(directory, source, name, path, torch_dtype, device, weights, huge_pages)
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 
@@ -216,6 +219,7 @@ def _load(
     dtype: torch.dtype,
     device: str,
     weights: str,
+    huge_pages: bool = False,
 ) -> LoadedModel:
     """Build the model whose config and tokenizer are in `directory` and whose tensors come from
     `source` (GGUF file or Hugging Face directory `path`), in weight format `weights`."""
@@ -226,7 +230,7 @@ def _load(
         raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
     if weights == "native":
         assert isinstance(source, GGUFFile)  # resolve_weights allows native for GGUF files only
-        blocks = native_blocks(source, config)
+        blocks = native_blocks(source, config, huge_pages)
         check_layout(blocks, source, config)
     else:
         blocks = int8_blocks(source, config) if weights == "int8" else {}

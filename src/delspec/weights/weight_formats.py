@@ -63,10 +63,12 @@ def resolve_weights(weights: str | None, source: Path, device: str) -> str:
     return weights
 
 
-def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]:
+def native_blocks(
+    file: GGUFFile, config: ModelConfig, huge_pages: bool = False
+) -> dict[str, BlockWeight]:
     """Block weights of the model's linear layers and embedding, repacked tensor by tensor from
     the GGUF file's own blocks (Llama's query and key rows reordered to the rotate-half layout
-    the model computes in)."""
+    the model computes in); in transparent huge pages with `huge_pages`."""
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     # llama.cpp interleaves the RoPE halves of the Llama layout (and of what it reads as one)
     permute = gguf_layout(file.architecture) == "llama"
@@ -111,7 +113,7 @@ def native_blocks(file: GGUFFile, config: ModelConfig) -> dict[str, BlockWeight]
         # consecutive tensors of one type are repacked as one (cheaper than merging tiles)
         for kind, run in itertools.groupby(zip(kinds, rows, strict=True), key=lambda r: r[0]):
             pieces = [torch.from_numpy(piece) for _, tensor in run for piece in tensor]
-            parts.append(BlockWeight.from_blocks(kind, pieces, cols))
+            parts.append(BlockWeight.from_blocks(kind, pieces, cols, huge_pages))
         blocks[module] = BlockWeight.stack(parts)
     if floats:
         print(
