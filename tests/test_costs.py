@@ -6,6 +6,7 @@ import copy
 import io
 import json
 import logging
+import statistics
 import time
 
 import numpy as np
@@ -282,7 +283,7 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
     each round, fewer rounds of draft heads; a thorough one at `row_counts`, until two takes
     agree, as many cycles as the budget holds."""
     model = tiny_model(seed=0)
-    calls = []
+    calls, picks = [], []
 
     def timings(runs, rounds, device=None, tries=3, warm=True):
         calls.append((rounds, tries, warm, sorted(key[-1] for key in runs if key[0] == "head")))
@@ -290,6 +291,7 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
 
     def in_decoding(model, states, context, cycles, **options):
         calls.append((cycles, options["warm"], options["linger"], options["counts"]))
+        picks.append(options["pick"])
         return [1.0 + k for k in range(len(states))], [0.0] * len(states)
 
     def draft_heads(head, exit_layer, rounds):
@@ -304,9 +306,10 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
     assert counts == [1, 2, 4, 6, 12] and quick.quick and len(quick.layer) == 12
     assert calls == [
         (cost_profile.QUICK_ROUNDS, 1, False, counts),
-        (1, False, 1, counts),
+        (cost_profile.QUICK_CYCLES, False, 1, counts),
         cost_profile.QUICK_DRAFT_HEAD_ROUNDS,
     ]
+    assert picks == [min]
     calls.clear()
     thorough = cost_profile.measure_profile(ExitHead(model), 2, 12, context=8, far=16)
     every = cost_profile.row_counts(12)
@@ -316,6 +319,7 @@ def test_a_quick_profile_times_few_row_counts_in_one_take_and_one_cycle(monkeypa
         (cost_profile.IN_DECODING_CYCLES, True, cost_profile.LINGER_STEPS, every),
         cost_profile.DRAFT_HEAD_ROUNDS,
     ]
+    assert picks == [min, statistics.median]
 
 
 def test_a_first_profile_is_quick_and_a_thorough_one_replaces_it_when_asked(tmp_path):

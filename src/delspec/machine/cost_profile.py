@@ -3,7 +3,7 @@ thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), 
 per setting (`profile_store`). A profile timed while the machine was busy would mislead every
 later run that reads it, so a thorough profile's timings are taken in interleaved rounds until
 two takes agree. A first run measures a quick one instead (a few dozen steps' worth of timings:
-fewer row counts, one take, one cycle in decoding), so that a new model's first answer does not
+fewer row counts, one take, two cycles in decoding), so that a new model's first answer does not
 wait for the thorough one; long-lived processes (the server, benchmarks) ask for a thorough
 profile and replace a quick one. The cost model's `CostCheck` corrects a profile whose
 predictions a run keeps contradicting.
@@ -24,16 +24,12 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from delspec.machine.timing import (
-    measurement_key,
-    settled_seconds,
-    synchronize,
-)
+from delspec.machine.timing import measurement_key, settled_seconds, timed
 from delspec.model.transformer import Transformer
 
 Ints = Sequence[int] | np.ndarray  # exit layers, draft lengths or vocabulary levels
 
-PROFILE_VERSION = 17
+PROFILE_VERSION = 18
 # Rounds of a pass over the layers alone and with each draft head (`measure_draft_heads`)
 DRAFT_HEAD_ROUNDS = 16
 # Plain steps after a verification in which its cost may still show (`measure_in_decoding`): a
@@ -47,10 +43,11 @@ IN_DECODING_MIN_CYCLES = 3
 IN_DECODING_BUDGET_S = 24.0
 # A quick profile: rounds of its one take of the primitives, and of its draft heads
 QUICK_ROUNDS = 2
-QUICK_DRAFT_HEAD_ROUNDS = 2
+QUICK_CYCLES = 2  # cycles in decoding of a quick profile, the fastest of them taken
+QUICK_DRAFT_HEAD_ROUNDS = 3  # odd: their median is one of them, not an outlier's mean
 
 
-class ExitHead(Protocol):
+class ExitHeadLike(Protocol):
     """What a profile times of an exit head (`delspec.drafting.exit_head.ExitHead`, which
     drafting builds above this layer): its model, whether it drafts on int8 weights, and one
     draft row through each of its vocabulary levels."""
@@ -117,7 +114,7 @@ class CostProfile:
                 values[rows - 1] *= factor
 
 
-def profile_key(exit_head: ExitHead) -> str:
+def profile_key(exit_head: ExitHeadLike) -> str:
     """Identifies the setting a profile's model timings were measured for (`measurement_key`),
     and whether drafts run on int8 weights (not the draft head's vocabulary: its timings are
     kept per vocabulary within the profile)."""
@@ -125,7 +122,7 @@ def profile_key(exit_head: ExitHead) -> str:
 
 
 def measure_profile(
-    exit_head: ExitHead,
+    exit_head: ExitHeadLike,
     exit_layer: int,
     max_tokens: int,
     context: int = 128,
@@ -141,7 +138,7 @@ def measure_profile(
     through every layer and the head (a verification), and what they add to the steps after
     them, as decoding meets them, in proportion to a plain step (`measure_in_decoding`).
     `quick`: at `quick_counts` only, one take of `QUICK_ROUNDS` rounds without an untimed one,
-    one cycle in decoding
+    `QUICK_CYCLES` cycles in decoding
     (one step after each round) and `QUICK_DRAFT_HEAD_ROUNDS` rounds of draft heads (noisier:
     `CostCheck` corrects what decoding contradicts)."""
     model = exit_head.model
@@ -152,7 +149,7 @@ def measure_profile(
     ids = torch.randint(0, cfg.vocab_size, (max_tokens,), generator=gen).to(model.device)
     linger = 1 if quick else LINGER_STEPS
     counts = quick_counts(max_tokens) if quick else row_counts(max_tokens)
-    cycles = 1 if quick else IN_DECODING_CYCLES
+    cycles = QUICK_CYCLES if quick else IN_DECODING_CYCLES
     # parts: the layer and head timings, each cycle in decoding (and its untimed one), the
     # draft heads; on a terminal only
     bar = tqdm(
@@ -175,7 +172,15 @@ def measure_profile(
             seconds, settled = settled_seconds(runs, repeats, model.device)
         bar.update()
         own, lingering = measure_in_decoding(
-            model, states, context, cycles, counts=counts, warm=not quick, linger=linger, bar=bar
+            model,
+            states,
+            context,
+            cycles,
+            counts=counts,
+            warm=not quick,
+            linger=linger,
+            bar=bar,
+            pick=min if quick else statistics.median,
         )
     rounds = QUICK_DRAFT_HEAD_ROUNDS if quick else DRAFT_HEAD_ROUNDS
     draft_head, heads_settled = measure_draft_heads(exit_head, exit_layer, rounds)
@@ -223,7 +228,7 @@ def _primitive_runs(
 
 
 def _profile(
-    exit_head: ExitHead,
+    exit_head: ExitHeadLike,
     seconds: dict,
     own: list[float],
     lingering: list[float],
@@ -291,6 +296,7 @@ def measure_in_decoding(
     counts: list[int] | None = None,
     warm: bool = True,
     linger: int = LINGER_STEPS,
+    pick: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[list[float], list[float]]:
     """How rounds verifying k = 1..len(states) rows through every layer and the head cost as
     decoding meets them, in plain steps: their own time, and what they add to the `linger`
@@ -305,15 +311,17 @@ def measure_in_decoding(
     the rows' inputs, run at positions `context`.. of the model's cache. `bar` advances a cycle
     at a time. `counts`: the row counts to time (default `row_counts`; 1 and the most among
     them); without `warm`, no untimed cycle (the caller ran the same shapes just before) and
-    exactly `cycles` cycles."""
+    exactly `cycles` cycles; `pick`: what a count's samples come to (their median; a quick
+    profile's two cycles take the fastest: one slow moment would price every larger count,
+    which may cost no less, as dear)."""
     layers, most = model.num_layers, len(states)
     counts = sorted({1, most, *(counts or row_counts(most))})
 
     def run(rows: int) -> float:
-        start = time.perf_counter()
-        model.head(model.run_layers(states[:rows], context, 0, layers))
-        synchronize(model.device)
-        return time.perf_counter() - start
+        def step() -> Tensor:
+            return model.head(model.run_layers(states[:rows], context, 0, layers))
+
+        return timed(step, model.device)
 
     def block(rows: int) -> tuple[float, float]:
         """A plain step, `rows` rows, `linger` plain steps: the round's and the steps'
@@ -343,11 +351,11 @@ def measure_in_decoding(
         if bar is not None:
             bar.update()
         cycle += 1
-    plain = statistics.median(own[1])
-    own_k = [statistics.median(own[k]) / plain for k in counts]
+    plain = pick(own[1])
+    own_k = [pick(own[k]) / plain for k in counts]
     every = np.arange(1, most + 1)
     rows = np.maximum.accumulate(np.interp(every, counts, own_k))
-    added_k = [statistics.median(added[k]) / plain for k in counts]
+    added_k = [pick(added[k]) / plain for k in counts]
     return rows.tolist(), lingering_line(counts, added_k, most)
 
 
@@ -364,7 +372,7 @@ def lingering_line(counts: list[int], added: list[float], most: int) -> list[flo
 
 
 def measure_draft_heads(
-    exit_head: ExitHead, exit_layer: int, rounds: int = DRAFT_HEAD_ROUNDS
+    exit_head: ExitHeadLike, exit_layer: int, rounds: int = DRAFT_HEAD_ROUNDS
 ) -> tuple[list[float], bool]:
     """Seconds of one draft row through each of `exit_head`'s vocabulary levels as drafts run
     it, right after a pass over the layers (a head timed alone keeps its rows in the caches and
@@ -382,15 +390,9 @@ def measure_draft_heads(
         levels = range(len(exit_head.vocabs))
         runs = [run_layers, *(lambda v=v: exit_head(run_layers(), exit_layer, v) for v in levels)]
         samples = []
-        for timed in range(rounds + 1):
-            times = []
-            for run in runs:
-                synchronize(model.device)
-                start = time.perf_counter()
-                run()
-                synchronize(model.device)
-                times.append(time.perf_counter() - start)
-            if timed:
+        for turn in range(rounds + 1):  # the first untimed
+            times = [timed(run, model.device) for run in runs]
+            if turn:
                 samples.append(times)
     return head_costs(samples)
 

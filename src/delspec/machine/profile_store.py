@@ -17,7 +17,7 @@ from delspec.machine.cost_profile import (
     PROFILE_VERSION,
     QUICK_DRAFT_HEAD_ROUNDS,
     CostProfile,
-    ExitHead,
+    ExitHeadLike,
     profile_key,
 )
 from delspec.machine.timing import MEASURED_MAX_AGE_S
@@ -26,7 +26,11 @@ UNSETTLED_MAX_AGE_S = 3600  # a profile whose takes never agreed is measured aga
 
 
 def cached_profile(
-    exit_head: ExitHead, exit_layer: int, max_tokens: int, directory: Path, thorough: bool = False
+    exit_head: ExitHeadLike,
+    exit_layer: int,
+    max_tokens: int,
+    directory: Path,
+    thorough: bool = False,
 ) -> CostProfile:
     """The profile for this model and setting from `directory`, measured again when missing,
     older than a week (an hour when not `CostProfile.settled`), measured for fewer tokens, or

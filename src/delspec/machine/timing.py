@@ -45,22 +45,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(run: Callable[[], object], device: torch.device | None = None) -> float:
+    """Wall seconds of one `run()`, waiting for `device`'s queued work before and after (where
+    given)."""
+    if device is not None:
+        synchronize(device)
+    start = time.perf_counter()
+    run()
+    if device is not None:
+        synchronize(device)
+    return time.perf_counter() - start
+
+
 def median_seconds(
     run: Callable[[], object], repeats: int = 3, device: torch.device | None = None
 ) -> float:
     """Median wall time of `run()` over `repeats` runs after one untimed run (each timing
     waiting for `device`'s queued work, where given)."""
     run()
-    samples = []
-    for _ in range(repeats):
-        if device is not None:
-            synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device is not None:
-            synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+    samples = sorted(timed(run, device) for _ in range(repeats))
+    return samples[len(samples) // 2]
 
 
 def fastest_seconds(
@@ -78,13 +82,7 @@ def fastest_seconds(
     seconds = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for key, run in runs.items():
-            if device is not None:
-                synchronize(device)
-            start = time.perf_counter()
-            run()
-            if device is not None:
-                synchronize(device)
-            seconds[key] = min(seconds[key], time.perf_counter() - start)
+            seconds[key] = min(seconds[key], timed(run, device))
     return seconds
 
 

@@ -167,7 +167,11 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 def rope_table(
-    inv_freq: Tensor, length: int, dtype: torch.dtype, head_dim: int | None = None, scale=1.0
+    inv_freq: Tensor,
+    length: int,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """cos and sin tables `[length, head_dim]` in the rotate-half layout, the rotated values'
     multiplied by `scale`. With a `head_dim` beyond twice `inv_freq`'s length, the values past
@@ -273,9 +277,12 @@ class Attention(nn.Module):
         return self.o(out, int8)
 
     def _full_norms(self, qkv: Tensor) -> Tensor:
-        """`qkv` with its queries and its keys each normed over all heads' values."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        """`qkv` (the projection's own output) with its queries and its keys each normed over
+        all heads' values, in place."""
+        q, k = qkv[..., : self.q_size], qkv[..., self.q_size : self.q_size + self.kv_size]
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
+        return qkv
 
 
 class MLP(nn.Module):

@@ -6,6 +6,7 @@ weights each fused linear layer is made of, loading them with every shape checke
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -100,15 +101,25 @@ def qkv_row_order(config: ModelConfig) -> Tensor | None:
     return torch.cat([*rotated, values])
 
 
-def checkpoint_weights(model: Transformer) -> Iterator[tuple[Tensor | None, tuple[str, ...], str]]:
-    """Each of `model`'s parameters with the Hugging Face checkpoint weights (prefix-free names)
-    it is made of, in row order, and the name an error calls it by; None for a parameter held
-    as blocks (`Transformer.use_blocks`). A fused q/k/v's rows are then taken in
-    `qkv_row_order` (`load_hf_state_dict`)."""
-    cfg, spec = model.config, model.config.spec
+class CheckpointWeight(NamedTuple):
+    """One of a model's parameters (None: held as blocks, `Transformer.use_blocks`), the Hugging
+    Face checkpoint weights (prefix-free names) it is made of, in row order, the name an error
+    calls it by, and the order its rows are taken in from theirs (None: as stored)."""
 
-    def one(param: Tensor | None, name: str) -> tuple[Tensor | None, tuple[str, ...], str]:
-        return param, (name,), name
+    param: Tensor | None
+    names: tuple[str, ...]
+    label: str
+    rows: Tensor | None = None
+
+
+def checkpoint_weights(model: Transformer) -> Iterator[CheckpointWeight]:
+    """Each of `model`'s parameters as a `CheckpointWeight`; a fused q/k/v's rows are taken in
+    `qkv_row_order`."""
+    cfg, spec = model.config, model.config.spec
+    qkv_rows = qkv_row_order(cfg)
+
+    def one(param: Tensor | None, name: str) -> CheckpointWeight:
+        return CheckpointWeight(param, (name,), name)
 
     yield one(model.embedding.weight, "embed_tokens.weight")
     yield one(model.norm.weight, "norm.weight")
@@ -121,10 +132,15 @@ def checkpoint_weights(model: Transformer) -> Iterator[tuple[Tensor | None, tupl
             linear = block.get_submodule(module)
             fused = f"{parts[0].split('.')[0]}.{module.split('.')[1]}_proj"
             label = f"{p}{parts[0] if len(parts) == 1 else fused}.weight"
-            yield linear.weight, tuple(f"{p}{x}.weight" for x in parts), label
+            rows = qkv_rows if module == "attn.qkv" else None
+            yield CheckpointWeight(
+                linear.weight, tuple(f"{p}{x}.weight" for x in parts), label, rows
+            )
         if spec.qkv_bias:
             names = tuple(f"{p}self_attn.{x}_proj.bias" for x in "qkv")
-            yield block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias"
+            yield CheckpointWeight(
+                block.attn.qkv.bias, names, p + "self_attn.qkv_proj.bias", qkv_rows
+            )
         if spec.qk_norm:
             yield one(block.attn.q_norm.weight, p + "self_attn.q_norm.weight")
             yield one(block.attn.k_norm.weight, p + "self_attn.k_norm.weight")
@@ -140,7 +156,7 @@ def checkpoint_names(config: ModelConfig) -> list[str]:
     """The Hugging Face checkpoint weights (prefix-free names) a model of `config` is made of."""
     with torch.device("meta"):
         model = Transformer(config)
-    return [name for _, names, _ in checkpoint_weights(model) for name in names]
+    return [name for weight in checkpoint_weights(model) for name in weight.names]
 
 
 @torch.no_grad()
@@ -148,16 +164,15 @@ def load_hf_state_dict(model: Transformer, state: dict[str, Tensor]) -> None:
     """Load weights named as in a Hugging Face checkpoint into `model`, checking every shape.
     Weights held as blocks (`Transformer.use_blocks`) are neither read nor needed."""
     state = {strip_prefix(k): v for k, v in state.items()}
-    order = qkv_row_order(model.config)
-    for param, names, label in checkpoint_weights(model):
+    for param, names, label, rows in checkpoint_weights(model):
         if param is None:  # held as blocks
             continue
         missing = [name for name in names if name not in state]
         if missing:
             raise ModelFormatError(f"weight {missing[0]!r} is missing from the checkpoint")
         value = torch.cat([state[name] for name in names])
-        if order is not None and label.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            value = value[order]
+        if rows is not None:
+            value = value[rows]
         if tuple(param.shape) != tuple(value.shape):
             raise ModelFormatError(
                 f"weight {label!r} has shape {tuple(value.shape)}, "

@@ -72,16 +72,18 @@ def native_blocks(
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     # llama.cpp interleaves the RoPE halves of the Llama layout (and of what it reads as one)
     permute = gguf_layout(file.architecture) == "llama"
-    # heads that rotate part of their values: their rows in `ModelConfig.rope_order`
+    # heads that rotate part of their values: their rows in `qkv_row_order`, for a fused tensor
+    # or its query and key parts
     partial: dict[str, Tensor] = {}
-    order = config.rope_order()
+    order = qkv_row_order(config)
     if order is not None:
-        within = torch.tensor(order)
-        for part, count in (*heads.items(), ("attn_qkv", None)):
-            if count is None:
-                partial[part] = qkv_row_order(config)
-            else:
-                partial[part] = torch.cat([h * config.head_dim + within for h in range(count)])
+        q_rows = config.num_heads * config.head_dim
+        k_rows = config.num_kv_heads * config.head_dim
+        partial = {
+            "attn_qkv": order,
+            "attn_q": order[:q_rows],
+            "attn_k": order[q_rows : q_rows + k_rows] - q_rows,
+        }
     wanted: dict[str, list[str]] = {"embedding": ["token_embd.weight"]}
     if "output.weight" in file.tensors:
         wanted["lm_head"] = ["output.weight"]
