@@ -5,6 +5,7 @@ differs from its solo answer, and every reported figure is measured."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from pathlib import Path
@@ -59,3 +60,33 @@ def test_stress_measures_a_long_prompt_joining_and_big_bodies(
     assert bodies.small_chats > 0 and bodies.wrong_answers == 0 and not bodies.errors
     lines = stress_table({"long_prompt_joins": vars(joined), "big_bodies": vars(bodies)})
     assert "joins 2 running streams" in "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_bench_serve_turns_reuses_the_history_and_answers_as_cold(tmp_path: Path, capsys) -> None:
+    """`delspec bench-serve --turns`, as a user runs it: two `delspec serve` processes on the
+    embedded model; the cached server's later turns reuse the history, the cold one's none, and
+    both give the same replies."""
+    from delspec.cli import main
+
+    out = tmp_path / "turns"
+    argv = ["bench-serve", "--turns", "2", "--setups", "ar", "--max-tokens", "4", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    first, second = result["rows"]
+    assert first["cached_tokens"] == 0 and first["prompt_tokens"] > 1500
+    assert second["prompt_tokens"] > first["prompt_tokens"] > 0
+    assert second["cached_tokens"] >= first["prompt_tokens"]  # the whole first turn, at least
+    assert second["cached_tokens"] < second["prompt_tokens"]
+    assert first["identical"] and second["identical"]
+    assert all(row["ttft_cold_s"] > 0 and row["ttft_cached_s"] > 0 for row in result["rows"])
+    assert "| 2 |" in (out / "table.md").read_text()
+    assert "wrote results.json, table.md" in capsys.readouterr().out
+
+
+def test_bench_serve_turns_refuses_a_url(capsys) -> None:
+    from delspec.cli import main
+
+    code = main(["bench-serve", "--turns", "2", "--url", "http://127.0.0.1:9"])
+    assert code != 0
+    assert "--turns starts its own two servers" in capsys.readouterr().err

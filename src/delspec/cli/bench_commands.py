@@ -46,6 +46,13 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "5xx, answers that differ from solo, queue depth and server RSS over time",
     )
     mode.add_argument(
+        "--turns",
+        type=positive_int,
+        metavar="N",
+        help="instead: a chat of N turns over long documents (~2,000 tokens by turn 3), each turn's "
+        "time to first token with the prompt cache against the same turn sent cold",
+    )
+    mode.add_argument(
         "--stress",
         action="store_true",
         help="instead: running streams while a ~3000-token prompt joins, and /health and a "
@@ -66,6 +73,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     serve_args += ["--device", args.device] + (
         ["--threads", str(args.threads)] if args.threads else []
     )
+    if args.turns is not None:
+        return _bench_serve_turns(args, serve_args)
     if args.soak is not None or args.stress:
         return _bench_serve_hostile(args, serve_args)
     setups = parse_setups(args.setups or "ar@1,ar,del-fast@1,del-fast")
@@ -86,6 +95,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         out=out,
     )
     print(f"delspec: wrote results.json, summary.json, table.md, throughput.png to {out}")
+    return 0
+
+
+def _bench_serve_turns(args: argparse.Namespace, serve_args: list[str]) -> int:
+    """`bench-serve --turns N`: two servers of its own (the first of `--setups`' strategy)."""
+    from delspec.bench.serve_load import parse_setups
+    from delspec.bench.serve_turns import run_turns, turns_table, write_turns
+
+    if args.url:
+        raise ConfigError("--turns starts its own two servers; it does not take --url")
+    strategy = parse_setups(args.setups)[0].strategy if args.setups else None
+    out = writable_directory(args.out or Path("bench-serve-turns"), "--out")
+    result = run_turns(serve_args, args.turns, max_tokens=args.max_tokens, strategy=strategy)
+    write_turns(result, out)
+    print(turns_table(result))
+    print(f"delspec: wrote results.json, table.md to {out}")
     return 0
 
 
