@@ -82,7 +82,8 @@ def run_turns(
         chat: list[dict[str, str]] = []
         for turn in range(1, turns + 1):
             question = f"Summarize article {(turn - 1) % articles + 1} in one sentence."
-            chat.append({"role": "user", "content": f"{text}\n\n{question}" if turn == 1 else question})
+            content = f"{text}\n\n{question}" if turn == 1 else question
+            chat.append({"role": "user", "content": content})
             body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0}
             got: dict[str, tuple[float, str, dict[str, Any]]] = {}
             for name in ("cold", "cached") if turn % 2 else ("cached", "cold"):

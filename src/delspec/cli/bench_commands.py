@@ -49,8 +49,8 @@ def add_bench_serve(sub: argparse._SubParsersAction) -> None:
         "--turns",
         type=positive_int,
         metavar="N",
-        help="instead: a chat of N turns over long documents (~2,000 tokens by turn 3), each turn's "
-        "time to first token with the prompt cache against the same turn sent cold",
+        help="instead: a chat of N turns over long documents (~2,000 tokens by turn 3), each "
+        "turn's time to first token with the prompt cache against the same turn sent cold",
     )
     mode.add_argument(
         "--stress",
