@@ -190,16 +190,16 @@ def test_rows_taken_in_blocks_keep_their_bits(qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
-def test_tile_pairs_have_the_bits_of_single_tiles(qtype):
-    """24 rows (a pair of tiles, computed at once with AVX-512, and an odd tile) give the bits of
-    each tile of 8 rows alone."""
-    raw = synthetic_blocks(qtype, 24, 512, seed=8)
+def test_tiles_together_have_the_bits_of_single_tiles(qtype):
+    """56 rows (four tiles, then a pair, computed at once with AVX-512, and an odd tile) give
+    the bits of each tile of 8 rows alone."""
+    raw = synthetic_blocks(qtype, 56, 512, seed=8)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
 
     def product(rows: np.ndarray) -> torch.Tensor:
         return BlockWeight.from_blocks(qtype, torch.from_numpy(rows), 512)(x)
 
-    alone = torch.cat([product(raw[i : i + 8]) for i in (0, 8, 16)], -1)
+    alone = torch.cat([product(raw[i : i + 8]) for i in range(0, 56, 8)], -1)
     assert torch.equal(product(raw), alone)
 
 

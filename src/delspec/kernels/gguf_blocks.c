@@ -44,6 +44,7 @@
 #define GROUP 32
 #define TILE 8     /* weight rows per tile */
 #define MAX_ROWS 8 /* rows of x per pass over a tile */
+#define UNIT 32    /* weight rows a thread takes at a time (dl_tile's widest) */
 /* F16 / BF16: independent float sums per output (enough to hide the latency of the multiply-adds
  * at M = 1), and rows of x per pass over a tile (their FLOAT_ROWS * FLOAT_CHAINS sums held in
  * registers: 32 vector registers with AVX-512, 16 without). */
@@ -817,6 +818,124 @@ static void pair_product(int type, const uint8_t *tile, int64_t stride, const Ac
     switch (type) { EVERY_TYPE(PAIR_CASE) }
 }
 
+/* ---- four tiles at once (AVX-512) ------------------------------------------------------- */
+/* Two pairs of tiles, each in 512-bit vectors as tile_pair's: every broadcast of x's bytes
+ * feeds both pairs' dot products (half the broadcasts per product of tile_pair, which bind at
+ * a few rows). Types with one scale per group of 32 only: those with a scale per half would
+ * need twice the accumulators, more than the registers hold. Every 32-bit lane goes through
+ * tile_avx2's operations in the same order, so each output has the bits tile_avx2 gives it. */
+static inline int four_type(int type) { return type != F16 && type != BF16 && !per_half(type); }
+
+/* 8 bytes at p0 and 8 at p1 as 16 32-bit lanes, p0's first. */
+static inline __m512i bytes8x2(const uint8_t *p0, const uint8_t *p1) {
+    int64_t high;
+    memcpy(&high, p1, 8);
+    return _mm512_cvtepu8_epi32(_mm_insert_epi64(_mm_loadl_epi64((const __m128i *)p0), high, 1));
+}
+
+/* A pair's group scales and minimums for the 8 groups of one Q4_K / Q5_K block (tile blocks
+ * t0 and t1), computed once a block as group_scales computes them for each group. */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *t0,
+                                                                const uint8_t *t1, __m512 *s,
+                                                                __m512 *m) {
+    __m512 d = join_ps(load_halves8(t0), load_halves8(t1));
+    __m512 dmin = join_ps(load_halves8(t0 + 16), load_halves8(t1 + 16));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+        s[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes8x2(t0 + 32 + 8 * j, t1 + 32 + 8 * j)));
+        m[j] = _mm512_sub_ps(
+            _mm512_setzero_ps(),
+            _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(bytes8x2(t0 + 96 + 8 * j, t1 + 96 + 8 * j))));
+    }
+}
+
+/* One group's scale and minimum for a pair (tile blocks t0 and t1), by group_scales. */
+static inline __attribute__((always_inline)) void pair_scales(int type, const uint8_t *t0,
+                                                               const uint8_t *t1, int j,
+                                                               __m512 *s, __m512 *m) {
+    Scales S0, S1;
+    group_scales(type, t0, j, &S0);
+    group_scales(type, t1, j, &S1);
+    *s = join_ps(S0.s[0], S1.s[0]), *m = join_ps(S0.m[0], S1.m[0]);
+}
+
+/* out[r][c] = W[c] . x[r] for the 32 rows c of four tiles and `rows` (<= MAX_ROWS) rows of x. */
+static inline __attribute__((always_inline)) void tile_four(int type, const Layout *L,
+                                                             const uint8_t *tile, int64_t stride,
+                                                             const Activations *a, int64_t first,
+                                                             int rows, float out[MAX_ROWS][4 * TILE]) {
+    __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
+    for (int r = 0; r < rows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t G = a->G, M = a->M;
+    const int8_t *q = a->q + first * GROUP;
+    const float *dq = a->d + first, *sums = a->sum + first;
+    int per = L->values / GROUP, k_block = type == Q4_K || type == Q5_K;
+    int64_t share = stride / G;
+    const char *ahead = (const char *)tile + 4 * stride; /* the next four */
+    __m512 s0[8], m0[8], s1[8], m1[8];
+    for (int64_t g = 0; g < G; ++g) {
+        for (int64_t line = 0; line < share; line += 64)
+            for (int k = 0; k < 4; ++k) _mm_prefetch(ahead + k * stride + g * share + line, AHEAD);
+        const uint8_t *t = tile + (g / per) * L->tile_bytes;
+        int j = (int)(g % per), at = k_block ? j : 0;
+        if (k_block && j == 0) {
+            block_scales(t, t + stride, s0, m0);
+            block_scales(t + 2 * stride, t + 3 * stride, s1, m1);
+        } else if (!k_block) {
+            pair_scales(type, t, t + stride, j, &s0[0], &m0[0]);
+            pair_scales(type, t + 2 * stride, t + 3 * stride, j, &s1[0], &m1[0]);
+        }
+        const uint8_t *area = t + L->head + j * L->group_bytes;
+        const int8_t *x = q + g * M * GROUP;
+        __m512i lo0[MAX_ROWS], lo1[MAX_ROWS];
+        for (int r = 0; r < rows; ++r) lo0[r] = lo1[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) {
+            __m512i w0 = group_vector2(L, area, stride, v);
+            __m512i w1 = group_vector2(L, area + 2 * stride, stride, v);
+            for (int r = 0; r < rows; ++r) {
+                int32_t bytes;
+                memcpy(&bytes, x + 32 * r + 4 * v, 4);
+                __m512i b = _mm512_set1_epi32(bytes);
+                lo0[r] = _mm512_dpbusd_epi32(lo0[r], w0, b);
+                lo1[r] = _mm512_dpbusd_epi32(lo1[r], w1, b);
+            }
+        }
+        const float *d = dq + g * M, *sum = sums + g * M;
+        for (int r = 0; r < rows; ++r) {
+            __m512 dx = _mm512_set1_ps(d[r]), sx = _mm512_set1_ps(sum[r]);
+            acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(s0[at], dx), _mm512_cvtepi32_ps(lo0[r]), acc0[r]);
+            acc0[r] = _mm512_fmadd_ps(m0[at], sx, acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(s1[at], dx), _mm512_cvtepi32_ps(lo1[r]), acc1[r]);
+            acc1[r] = _mm512_fmadd_ps(m1[at], sx, acc1[r]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        _mm512_storeu_ps(out[r], acc0[r]);
+        _mm512_storeu_ps(out[r] + 2 * TILE, acc1[r]);
+    }
+}
+
+#define FOUR_CASE(t, n)                                                                      \
+    case n: tile_four(t, &L, tile, stride, a, first, n, out); return;
+#define FOUR_TYPE(t)                                                                         \
+    case t: {                                                                                \
+        Layout L;                                                                            \
+        layout_of(t, &L);                                                                    \
+        switch (rows) {                                                                      \
+            FOUR_CASE(t, 1) FOUR_CASE(t, 2) FOUR_CASE(t, 3) FOUR_CASE(t, 4)                  \
+            FOUR_CASE(t, 5) FOUR_CASE(t, 6) FOUR_CASE(t, 7) FOUR_CASE(t, 8)                  \
+        }                                                                                    \
+        return;                                                                              \
+    }
+static void four_product(int type, const uint8_t *tile, int64_t stride, const Activations *a,
+                         int64_t first, int rows, float out[MAX_ROWS][4 * TILE]) {
+    switch (type) {
+        FOUR_TYPE(Q4_0) FOUR_TYPE(Q4_1) FOUR_TYPE(Q5_0) FOUR_TYPE(Q5_1) FOUR_TYPE(Q8_0)
+        FOUR_TYPE(Q4_K) FOUR_TYPE(Q5_K)
+    }
+}
+
 #endif
 
 /* Column k of an F16 / BF16 tile (one value of each of its 8 rows) as 8 floats. */
@@ -1081,6 +1200,23 @@ static void one_tile(int type, const uint8_t *tile, const Activations *a, int64_
 void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first, int64_t count,
              float *y, int64_t ldy, int width) {
     int64_t stride = dl_tile_stride(type, a->K);
+    if (width > 2 * TILE) {
+#if WIDE
+        if (width == 4 * TILE && four_type(type)) {
+            float out[MAX_ROWS][4 * TILE];
+            for (int64_t m0 = 0; m0 < count; m0 += MAX_ROWS) {
+                int rows = (int)(count - m0 < MAX_ROWS ? count - m0 : MAX_ROWS);
+                four_product(type, tile, stride, a, first + m0, rows, out);
+                for (int r = 0; r < rows; ++r)
+                    memcpy(y + (m0 + r) * ldy, out[r], 4 * TILE * sizeof(float));
+            }
+            return;
+        }
+#endif
+        dl_tile(type, tile, a, first, count, y, ldy, 2 * TILE);
+        dl_tile(type, tile + 2 * stride, a, first, count, y + 2 * TILE, ldy, width - 2 * TILE);
+        return;
+    }
     if (width <= TILE) {
         one_tile(type, tile, a, first, count, y, ldy, width);
         return;
@@ -1126,16 +1262,16 @@ int64_t dl_row_block(int64_t K) {
 
 void dl_tile_product(int type, const uint8_t *tiles, int64_t N, const Activations *a, int64_t M,
                      float *y, int64_t ldy) {
-    int64_t pairs = (N + 2 * TILE - 1) / (2 * TILE), stride = dl_tile_stride(type, a->K);
+    int64_t units = (N + UNIT - 1) / UNIT, stride = dl_tile_stride(type, a->K);
     int64_t block = dl_row_block(a->K);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         int64_t count = M - m0 < block ? M - m0 : block;
-        /* contiguous shares of pairs of tiles, so that each core's prefetcher follows one
+        /* contiguous shares of units of tiles, so that each core's prefetcher follows one
          * stream (faster than chunks of tiles taken in turn) */
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < pairs; ++p)
-            dl_tile(type, tiles + 2 * p * stride, a, m0, count, y + m0 * ldy + 2 * p * TILE, ldy,
-                    N - 2 * p * TILE < 2 * TILE ? (int)(N - 2 * p * TILE) : 2 * TILE);
+        for (int64_t u = 0; u < units; ++u)
+            dl_tile(type, tiles + UNIT / TILE * u * stride, a, m0, count,
+                    y + m0 * ldy + UNIT * u, ldy, N - UNIT * u < UNIT ? (int)(N - UNIT * u) : UNIT);
     }
 }
 

@@ -41,9 +41,9 @@ void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K);
 void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count, Activations *a);
 /* Bytes from one tile of 8 weight rows of K values to the next (0 for an unknown type). */
 int64_t dl_tile_stride(int type, int64_t K);
-/* y[m * ldy + c] = x[first + m] . W[c] for m < count and the first `width` (<= 16) rows c of
- * the tile at `tile` and, when width > 8, the next tile (AVX-512 computes such a pair at once;
- * the bits are those of one tile at a time). */
+/* y[m * ldy + c] = x[first + m] . W[c] for m < count and the first `width` (<= 32) rows c of
+ * the tile at `tile` and the tiles after it, as many as `width` reaches (AVX-512 computes a pair
+ * of tiles, or four, at once; the bits are those of one tile at a time). */
 void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first, int64_t count,
              float *y, int64_t ldy, int width);
 /* How many rows of activations with K values a product takes at a time: a block that stays in

@@ -146,12 +146,12 @@ static void team_wait(Member *me) {
     me->since = omp_get_wtime();
 }
 
-/* Weight rows a thread takes at a time: a pair of tiles, or with a prompt's rows on bfloat16
- * tiles (`a->bf16`) two pairs. */
-static int unit_of(const Activations *a) { return a->bf16 ? 4 * TILE : 2 * TILE; }
+/* Weight rows a thread takes at a time: four tiles (dl_tile's widest, and what the bfloat16
+ * tiles of a prompt's rows take at once). */
+#define UNIT (4 * TILE)
 
 /* out[m][0..width) for rows m0 + m (m < count) of `a` and weight rows row..row + width - 1 of
- * `w` (row a multiple of 8; width <= unit_of(a) and within one part), plus the bias. A prompt's
+ * `w` (row a multiple of 8; width <= UNIT and within one part), plus the bias. A prompt's
  * rows go on bfloat16 tiles, except for float16 / bfloat16 weights (multiplied in float). */
 static void linear_tiles(const Linear *w, int64_t row, int width, const Activations *a,
                          int64_t m0, int64_t count, float *out, int64_t ldo, Member *me) {
@@ -165,9 +165,7 @@ static void linear_tiles(const Linear *w, int64_t row, int width, const Activati
                                            count, out, ldo)
                          : -1;
     if (status == -2) atomic_store(&me->team->failed, 1);
-    for (int c = 0; status == -1 && c < width; c += 2 * TILE)
-        dl_tile(w->type[p], tile + c / TILE * stride, a, m0, count, out + c, ldo,
-                width - c < 2 * TILE ? width - c : 2 * TILE);
+    if (status == -1) dl_tile(w->type[p], tile, a, m0, count, out, ldo, width);
     if (w->bias)
         for (int64_t m = 0; m < count; ++m)
             for (int c = 0; c < width; ++c) out[m * ldo + c] += w->bias[row + c];
@@ -183,9 +181,9 @@ static int pair_width(int64_t rows, int64_t local, int unit) {
 }
 
 /* out = x . W (+ bias) for the M rows quantised (or rounded to bfloat16) in `a`. Work-shared
- * over units of tiles (`unit_of`, never across parts), then the team's barrier. */
+ * over units of tiles (`UNIT` rows, never across parts), then the team's barrier. */
 static void linear(const Linear *w, const Activations *a, int64_t M, float *out, Member *me) {
-    int unit = unit_of(a);
+    int unit = UNIT;
     int64_t pairs = 0, block = dl_row_block(a->K);
     for (int p = 0; p < w->parts; ++p) pairs += paired(w->rows[p], unit) / unit;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
@@ -209,7 +207,7 @@ static void linear(const Linear *w, const Activations *a, int64_t M, float *out,
  * tiles), then the team's barrier. */
 static void gated_linear(const Model *m, const Linear *w, const Activations *a, int64_t M,
                          float *act, float *scratch, Member *me) {
-    int width = m->intermediate, unit = unit_of(a);
+    int width = m->intermediate, unit = UNIT;
     float *gate = scratch, *up = scratch + M * unit;
     int64_t block = dl_row_block(a->K);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
