@@ -97,7 +97,8 @@ class Scripted(Static):
 
     def plan(self, proposal=NO_PROPOSAL):
         self.round += 1
-        return Plan(self.exit_layer, self.layer_drafts, context=self._script(0, self.context))
+        drafts = self._script(0, self.context)
+        return Plan(self.exit_layer, self.layer_drafts, context_drafts=drafts)
 
     def follow(self, proposal, layer_drafts, last):
         if not self.after or not (

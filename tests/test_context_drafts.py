@@ -241,8 +241,8 @@ def test_a_context_draft_is_taken_when_it_pays():
     assert policy.plan().draft_cap == 0  # without a proposal: a plain step
     plan = policy.plan(PROPOSAL)
     assert plan.exit_layer == 0 and plan.draft_cap == 0
-    assert 3 <= len(plan.context) <= 6 and plan.context == tuple(
-        PROPOSAL.tokens[: len(plan.context)]
+    assert 3 <= len(plan.context_drafts) <= 6 and plan.context_drafts == tuple(
+        PROPOSAL.tokens[: len(plan.context_drafts)]
     )
 
 
@@ -263,7 +263,7 @@ def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
     # (prior=1: the proposals' 12 rounds are not outweighed by CONTEXT_PRIOR's unseen misses)
     policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan(ContextProposal([11], 2))
-    assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
+    assert plan.context_drafts == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
 
 
 def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_now():
@@ -290,10 +290,10 @@ def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_n
         policy.cost.at(now)
         return policy.plan(proposal)
 
-    assert plan_at(1000, 1000).context == (11,)  # 2 rows cost 4% more than 1 there
+    assert plan_at(1000, 1000).context_drafts == (11,)  # 2 rows cost 4% more than 1 there
     assert plan_at(0, 0) == Plan(0, 0)  # 6.7% more: a 10.5% chance does not beat the margin
     assert plan_at(1000, 0) == Plan(0, 0)  # chosen far on, weighed at the start
-    assert plan_at(0, 1000).context == (11,)
+    assert plan_at(0, 1000).context_drafts == (11,)
 
 
 def test_proposals_are_scored_against_the_committed_tokens():
@@ -362,10 +362,10 @@ def test_context_tokens_follow_exit_layer_drafts_where_they_pay():
     (not planned that way), nor from proposals whose first token misses."""
     policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan()
-    assert plan.exit_layer == 2 and plan.draft_cap >= 2 and not plan.context
+    assert plan.exit_layer == 2 and plan.draft_cap >= 2 and not plan.context_drafts
     assert policy.follow(PROPOSAL, plan.draft_cap, True) == PROPOSAL.tokens
     assert policy.follow(PROPOSAL, 1, False) == PROPOSAL.tokens  # instead of drafting on
-    assert policy.plan(ContextProposal([11], 2)).context == (11,)
+    assert policy.plan(ContextProposal([11], 2)).context_drafts == (11,)
     assert policy.follow(PROPOSAL, plan.draft_cap, True) == []
     wrong = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], WRONG, prior=1.0)
     wrong_plan = wrong.plan()

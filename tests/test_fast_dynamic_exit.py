@@ -263,7 +263,7 @@ def test_every_round_updates_the_final_layer_from_its_verification():
         record.from_context = 2
         policy.credit = 0.0  # nothing for shadow tokens
         policy.observe(record)
-        policy.finish()
+        policy.apply_held()
 
     context_round(0)  # one valid position: 3
     assert policy.stats.matched[rows].tolist() == [1.0, 1.0]
@@ -284,7 +284,7 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
     def plain_round(target: int) -> None:
         """A plain round, its updates applied at once (not held back for later rounds')."""
         policy.observe(Round(0, 0, [], [], 0, [target], torch.tensor([target])))
-        policy.finish()
+        policy.apply_held()
 
     plain_round(3)  # alpha 0 -> 1 at both levels: chosen again
     final = [policy.chosen_alpha[row] for row in policy.final_rows]
@@ -299,7 +299,7 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
 
 def test_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(monkeypatch, tmp_path):
     """The updates of a round without exit-layer drafts (a plain step, or context drafts
-    alone) wait for `HELD_BATCH` of them (or `finish`, or a round that is not held back);
+    alone) wait for `HELD_BATCH` of them (or `apply_held`, or a round that is not held back);
     applied, they leave every statistic where applying each round at once would have: the
     final layer's counts (which target each level held then: the sequence's tokens join the
     draft vocabularies as it runs), the context proposals' scores, the realized plain steps,
@@ -338,7 +338,7 @@ def test_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(monk
     assert counted(run(HELD_BATCH, HELD_BATCH)) > 0  # a full batch is applied
     held, at_once = run(HELD_BATCH, 37), run(1, 37)
     assert counted(held) < counted(at_once)  # 5 rounds still wait
-    held.finish()
+    held.apply_held()
     assert held.stats.sums == pytest.approx(at_once.stats.sums)
     assert held.context_score.stats.sums == pytest.approx(at_once.context_score.stats.sums)
     assert held.context_score.stats.sums.sum() > 0  # proposals were scored

@@ -203,6 +203,22 @@ class DELOptions(_Options):
         if self.context_drafts and self.cost != "measured":
             raise ConfigError("context_drafts needs cost='measured' (sources are chosen by cost)")
 
+    @property
+    def uses_fast_additions(self) -> bool:
+        """Whether these options turn on anything beyond the paper's DEL (del-fast's additions,
+        `policies.fast_dynamic_exit`)."""
+        return bool(
+            self.cost != "layers"
+            or self.no_draft
+            or self.shadow_budget is not None
+            or self.runs
+            or self.min_evidence
+            or self.prior
+            or self.margin
+            or self.context_drafts
+            or self.remember
+        )
+
 
 StrategyOptions = NoOptions | StaticOptions | FSOptions | DVOptions | LookupOptions | DELOptions
 

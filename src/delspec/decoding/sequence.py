@@ -174,11 +174,11 @@ class Decoding:
         if self.policy.context_ngrams is not None:
             proposal = self.engine.propose(limit)
         tokens = through_eos(proposal.tokens, self.eos)
-        kept = self._grammar_context(tokens, limit)
+        kept = self._under_grammar(tokens, limit)
         self.pool_offered = _common_prefix(kept, tokens) if proposal.source == POOL else 0
         return kept
 
-    def _grammar_context(self, tokens: list[int], limit: int) -> list[int]:
+    def _under_grammar(self, tokens: list[int], limit: int) -> list[int]:
         """Context draft `tokens` under the grammar (unchanged without one): cut at the first
         one it rejects; when none is left, the tokens it forces (for a strategy that drafts),
         up to `limit` and the first end of sequence."""
@@ -198,17 +198,19 @@ class Decoding:
         budget = self.draft_room
         proposal = engine.propose(min(budget, policy.context_limit))
         plan = policy.plan(proposal)
-        context = self._grammar_context(list(plan.context[:budget]), budget)
-        cap = min(plan.draft_cap, budget - len(context))
+        context_drafts = self._under_grammar(list(plan.context_drafts[:budget]), budget)
+        cap = min(plan.draft_cap, budget - len(context_drafts))
         # (after how many drafts, how many) draft tokens came from the pool (not the grammar)
-        pooled = [0, _common_prefix(context, plan.context) if proposal.source == POOL else 0]
+        from_pool = _common_prefix(context_drafts, plan.context_drafts)
+        pooled = [0, from_pool if proposal.source == POOL else 0]
         then = None
         if policy.context_ngrams is not None:
 
             def then(drafted: list[int], last: bool) -> list[int]:
                 limit = min(budget - len(drafted), policy.context_limit)
                 proposal = engine.propose(limit, drafted)
-                taken = policy.follow(proposal, len(drafted) - len(context), last)[:limit]
+                layer_drafts = len(drafted) - len(context_drafts)
+                taken = policy.follow(proposal, layer_drafts, last)[:limit]
                 if taken and proposal.source == POOL:
                     pooled[:] = [len(drafted), len(taken)]
                 return taken
@@ -219,7 +221,7 @@ class Decoding:
             policy.keep_drafting,
             policy.collect_hidden,
             plan.level,
-            context,
+            context_drafts,
             then,
         )
         t_obs = time.perf_counter()
@@ -231,15 +233,17 @@ class Decoding:
         self.decode_s += time.perf_counter() - t0
         return tokens, min(record.accepted, len(tokens))
 
-    def commit(self, context: list[int], logits: Tensor, seconds: float) -> tuple[list[int], int]:
+    def commit(
+        self, context_drafts: list[int], logits: Tensor, seconds: float
+    ) -> tuple[list[int], int]:
         """Settle a round computed outside (`step_together`, which took `seconds`): the full
-        model's `logits` after the newest token and each `context` draft token. Returns the
-        committed tokens (up to EOS) and how many of them were accepted drafts."""
-        record = self.engine.settle(context, logits)
+        model's `logits` after the newest token and each of the `context_drafts` tokens. Returns
+        the committed tokens (up to EOS) and how many of them were accepted drafts."""
+        record = self.engine.settle(context_drafts, logits)
         self.engine.discard_warmup()
         record.verify_s = seconds
         self.totals.add(record, 0.0)
-        self.totals.pooled(record.accepted, 0, min(len(context), self.pool_offered))
+        self.totals.pooled(record.accepted, 0, min(len(context_drafts), self.pool_offered))
         self.pool_offered = 0
         self.decode_s += seconds
         tokens = self._committed(record)
@@ -413,16 +417,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     )
 
 
-def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
+def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, max_position: int) -> list[int]:
     """`prompt_ids` as a list; `ConfigError` or `ContextLengthError` when there is nothing to
-    generate from or no room in the model's `context`."""
+    generate from or no room in the model's `max_position` positions (its context)."""
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompt = list(prompt_ids)
     if not prompt:
         raise ConfigError("the prompt is empty")
-    if len(prompt) >= context:
+    if len(prompt) >= max_position:
         raise ContextLengthError(
-            f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
+            f"the prompt has {len(prompt)} tokens but the model's context is {max_position} tokens"
         )
     return prompt

@@ -141,12 +141,12 @@ class DynamicExit(Policy):
         match = tokens == targets[None, :]
         valid = torch.ones(len(positions), dtype=torch.bool)
         if record.from_context or record.context_after:  # not all the exit layer's drafts:
-            valid[record.context + record.accepted + 1 :] = False  # up to the first reject
-        elif record.exit_layer in layers:  # u_r, after the teacher-forced context (never clipped)
+            valid[record.warmup_rows + record.accepted + 1 :] = False  # up to the first reject
+        elif record.exit_layer in layers:  # u_r, after the warm-up's rows (never clipped)
             row = layers.index(record.exit_layer)
-            misses = (~match[row, record.context :]).nonzero()
+            misses = (~match[row, record.warmup_rows :]).nonzero()
             if len(misses):
-                valid[record.context + int(misses[0]) + 1 :] = False
+                valid[record.warmup_rows + int(misses[0]) + 1 :] = False
         return ShadowTokens(layers, hidden, top, confidence, targets, match, valid)
 
     def _score(self, record: Round, rows: Tensor, positions: Tensor) -> None:

@@ -124,7 +124,7 @@ class ContextLookup(Policy):
         self.draft_length = self.initial
 
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
-        return Plan(0, 0, context=tuple(proposal.tokens[: self.draft_length]))
+        return Plan(0, 0, context_drafts=tuple(proposal.tokens[: self.draft_length]))
 
     def observe(self, record: Round) -> None:
         if self.adaptive:

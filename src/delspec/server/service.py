@@ -64,12 +64,12 @@ class Service:
         self.lm, self.config, self.worker = lm, config, worker
         self.name, self.names = names[0], names
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
-        self.context = worker.context  # positions a request may use: prompt and reply
+        self.slot_positions = worker.slot_positions  # a request's: its prompt and reply
         # A token never stands for more text than its longest vocabulary entry (4 times that,
         # for normalizers that drop characters): a text longer than the context holds in such
         # tokens is refused without the seconds of tokenizing it.
         longest = max(map(len, lm.tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = 4 * longest * self.context
+        self.max_prompt_chars = 4 * longest * self.slot_positions
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
@@ -166,7 +166,7 @@ class Service:
             raise APIError(
                 400,
                 f"{'the conversation' if param == 'messages' else 'the prompt'} has {chars} "
-                f"characters, more than a context of {self.context} tokens can hold",
+                f"characters, more than a context of {self.slot_positions} tokens can hold",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -180,10 +180,10 @@ class Service:
         and leaves room in the context."""
         if not prompt_ids:
             raise APIError(400, f"{name} is empty", param=param)
-        if len(prompt_ids) >= self.context:
+        if len(prompt_ids) >= self.slot_positions:
             raise APIError(
                 400,
-                f"{name} has {len(prompt_ids)} tokens but the context is {self.context} "
+                f"{name} has {len(prompt_ids)} tokens but the context is {self.slot_positions} "
                 "tokens (for a request's prompt and reply: the model's, or serve --context)",
                 param=param,
                 code="context_length_exceeded",
@@ -246,11 +246,11 @@ class Service:
         """Queue the generation `body` asks for (at most `limit` new tokens, which request
         field `limit_param` set; `logprobs` top tokens per token, or None); 429 when the queue
         is full."""
-        if limit is not None and len(prompt_ids) + limit > self.context:
+        if limit is not None and len(prompt_ids) + limit > self.slot_positions:
             raise APIError(
                 400,
                 f"{limit_param}={limit} after a prompt of {len(prompt_ids)} tokens is more than "
-                f"the {self.context} positions a request may use (delspec serve --context)",
+                f"the {self.slot_positions} positions a request may use (delspec serve --context)",
                 param=limit_param,
                 code="context_length_exceeded",
             )
@@ -258,7 +258,7 @@ class Service:
         sampling = request_sampling(body, self.lm.model.config.vocab_size)
         options = {
             "sampling": sampling,
-            "max_new_tokens": limit or self.context - len(prompt_ids),
+            "max_new_tokens": limit or self.slot_positions - len(prompt_ids),
             "stop": body.stop,
             "logprobs": logprobs,
             "grammar": grammar,

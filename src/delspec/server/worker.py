@@ -113,7 +113,7 @@ class _Running:
 
 class Worker:
     """Runs jobs on one background thread, up to `max_batch` at a time in arrival order, each
-    in a cache slot of `context` positions (prompt and reply), prompts prefilled
+    in a cache slot of `slot_positions` positions (prompt and reply), prompts prefilled
     `prefill_chunk` rows at a time, their prefixes reused from what the slots hold or from up
     to `prompt_cache_mb` MiB of prefixes evicted from them (`PromptCache`). Every job whose
     strategy drafts from its context shares one `DraftPool` of the newest `draft_pool_tokens`
@@ -125,7 +125,7 @@ class Worker:
         max_queue: int,
         metrics: Metrics,
         max_batch: int,
-        context: int,
+        slot_positions: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         attention_span: float = math.inf,
         drafts: BatchDrafts | None = None,
@@ -134,7 +134,8 @@ class Worker:
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
-        self.max_batch, self.context, self.prefill_chunk = max_batch, context, prefill_chunk
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.slot_positions = slot_positions  # positions a job may use: its prompt and reply
         self.attention_span = attention_span  # see `delspec.decoding.prefill.chunk_rows`
         self._joining: list[_Running] = []  # in their slots, prompts being prefilled
         self._running: list[_Running] = []  # generating
@@ -162,7 +163,7 @@ class Worker:
 
     def start(self) -> None:
         with torch.inference_mode():  # the slots, written by the engines in inference mode
-            self.lm.model.setup_cache(self.context, self.max_batch)
+            self.lm.model.setup_cache(self.slot_positions, self.max_batch)
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
