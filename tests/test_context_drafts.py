@@ -11,7 +11,7 @@ import torch
 from helpers import Scripted, profile, run
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
@@ -121,9 +121,9 @@ def test_context_and_mixed_rounds_are_lossless(exit_layer, weights):
         head = ExitHead(model, int8=weights == "int8")
         for context in (1, 3, 5):
             policy = Scripted(LAYERS, expected.token_ids, context, lambda r: r % 4, exit_layer)
-            got = decode_tokens(
+            got = Decoding(
                 model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
-            )
+            ).run()
             assert got.token_ids == expected.token_ids, (seed, context)
             for r in got.trace:
                 k = r["from_context"]
@@ -157,9 +157,9 @@ def test_context_drafts_after_exit_layer_drafts_are_lossless(exit_layer, weights
                 after=after,
                 switch_at=switch_at,
             )
-            got = decode_tokens(
+            got = Decoding(
                 model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
-            )
+            ).run()
             assert got.token_ids == expected.token_ids, (seed, after)
             for r in got.trace:
                 k, layer_drafts = r["context_after"], r["drafted"] - r["context_after"]
@@ -183,9 +183,9 @@ def test_an_end_of_sequence_inside_a_context_draft_ends_the_output():
     for exit_layer in (0, 2):
         # the whole reply, which ends at the EOS, as one context draft; nothing after it
         policy = Scripted(LAYERS, [*expected.token_ids, 1, 2], 40, lambda r: 40, exit_layer)
-        got = decode_tokens(
+        got = Decoding(
             model, prompt, policy, max_new_tokens=30, eos_token_ids=(eos,), trace=True
-        )
+        ).run()
         assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
         assert len(got.trace) == 1 and got.trace[0]["drafted"] == len(expected.token_ids)
 
@@ -304,7 +304,7 @@ def test_proposals_are_scored_against_the_committed_tokens():
     expected, _ = run(model, prompt, "ar", 40)
     policy = make_policy("del-fast", model.num_layers, candidates=[2])
     policy.cost = MeasuredCost(profile(*LINEAR), model.num_layers)  # nothing pays: plain steps
-    got = decode_tokens(model, prompt, policy, max_new_tokens=40)
+    got = Decoding(model, prompt, policy, max_new_tokens=40).run()
     assert got.token_ids == expected.token_ids and got.stats.drafted == 0
     stats = policy.context_score.stats
     assert float((stats.matched + stats.mismatched).sum()) > 0

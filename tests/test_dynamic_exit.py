@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import PAPER
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.exit_head import ExitHead
 from delspec.policies import make_policy
 from delspec.policies.dynamic_exit import DynamicExit
@@ -119,12 +119,12 @@ def test_round_zero_uses_the_prompt_window_and_state_resets_per_prompt():
         observe(r),
     )[-1]
     prompt = list(range(1, 41))
-    first = decode_tokens(model, prompt, policy, max_new_tokens=12)
+    first = Decoding(model, prompt, policy, max_new_tokens=12).run()
     assert seen[0] == (32, 32 + 2, 1)  # 32 warm-up positions + input + one draft
     assert all(c == 0 for c, _, _ in seen[1:])
     stats_after_first = policy.stats.matched.copy()
     seen.clear()
-    second = decode_tokens(model, prompt, policy, max_new_tokens=12)
+    second = Decoding(model, prompt, policy, max_new_tokens=12).run()
     assert second.token_ids == first.token_ids
     assert seen[0][0] == 32
     assert np.array_equal(policy.stats.matched, stats_after_first)  # nothing carried over
@@ -135,7 +135,7 @@ def test_only_del_stops_drafts_by_confidence(strategy):
     """DEL ends a draft at a token whose confidence is below tau; DELE drafts its cap."""
     model = tiny_model(seed=2, shallow=2)
     policy = make_policy(strategy, model.num_layers, cost="measured")
-    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, list(range(1, 30)), policy, max_new_tokens=60, trace=True).run()
     rounds = got.trace[1:-1]  # drafting rounds that neither start nor end the reply
     caps = [r["next_draft_cap"] for r in got.trace[:-2]]
     stopped = [r["drafted"] < cap for r, cap in zip(rounds, caps, strict=True)]
@@ -151,7 +151,7 @@ def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
     observe = policy.observe
     policy.observe = lambda r: (records.append(r), observe(r))[-1]
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    out = decode_tokens(model, prompt, policy, max_new_tokens=20)
+    out = Decoding(model, prompt, policy, max_new_tokens=20).run()
     sequence = prompt + out.token_ids
     record = next(r for r in records[1:] if len(r.drafted) >= 2)
     valid = record.accepted + 1  # positions whose inputs are all committed

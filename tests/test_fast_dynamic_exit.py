@@ -11,7 +11,7 @@ import torch
 from helpers import profile
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
@@ -31,8 +31,8 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
     slow = profile([1.0 * k for k in range(1, 21)], [0.1 * k for k in range(1, 21)], 0.5)
     policy.cost = MeasuredCost(slow, model.num_layers)
     prompt = list(range(3, 20))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=30, trace=True)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30).run()
+    got = Decoding(model, prompt, policy, max_new_tokens=30, trace=True).run()
     assert got.token_ids == expected.token_ids
     plain = [r for r in got.trace if r["exit_layer"] == 0]
     assert len(plain) >= 25  # after the warm-up round, every round is a plain step
@@ -43,9 +43,9 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
 def test_shadow_budget_bounds_policy_work_and_stays_lossless():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60).run()
     policy = make_policy("del", model.num_layers, shadow_budget=0.05, no_draft=True)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, prompt, policy, max_new_tokens=60, trace=True).run()
     assert got.token_ids == expected.token_ids
     scored = [r for r in got.trace[1:] if r["scored_layers"]]
     assert len(scored) < len(got.trace) - 1  # some rounds skip scoring entirely
@@ -156,12 +156,12 @@ def test_acceptance_in_runs_drafts_longer():
 def test_unscored_rounds_count_the_exit_layers_own_drafts():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60).run()
     # exit-layer drafts only (context drafts have their own statistics)
     policy = make_policy(
         "del-fast", model.num_layers, shadow_budget=0.01, warmup=4, context_drafts=False
     )
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, prompt, policy, max_new_tokens=60, trace=True).run()
     assert got.token_ids == expected.token_ids
     for before, entry in zip(got.trace, got.trace[1:], strict=False):
         if entry["drafted"] and not entry["scored_layers"]:
@@ -177,7 +177,7 @@ def test_unscored_rounds_count_the_exit_layers_own_drafts():
 def test_the_warm_up_is_not_charged_to_the_shadow_budget():
     model = tiny_model(seed=3, shallow=2)
     policy = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=1, trace=True)
+    got = Decoding(model, list(range(1, 30)), policy, max_new_tokens=1, trace=True).run()
     (warm_up,) = got.trace
     assert warm_up["scored_layers"] == model.num_layers - 1  # every candidate of a tiny model
     assert warm_up["shadow_ms"] > 0 and policy.credit > 0  # credit only grew by the round
@@ -370,7 +370,7 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
     first = make_policy("del-fast", model.num_layers)
-    decode_tokens(model, prompt, first, max_new_tokens=4)  # measures and caches the profile
+    Decoding(model, prompt, first, max_new_tokens=4).run()  # measures and caches the profile
     (path,) = (tmp_path / "costs").glob("profile-*.json")
     stored = json.loads(path.read_text())
     busy = {**stored, "layer": [t * 100 for t in stored["layer"]]}
@@ -380,8 +380,10 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     path.write_text(json.dumps(busy))
     # a new process: nothing remembered from the first generation, the profile read from file
     policy = make_policy("del-fast", model.num_layers, remember=False)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=100)
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100)
+    got = Decoding(model, prompt, policy, max_new_tokens=100).run()
+    expected = Decoding(
+        model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100
+    ).run()
     assert got.token_ids == expected.token_ids
     check = policy.cost.check
     assert check.corrections and check.corrections[0] < 1 / 3  # fired, and far off
@@ -456,15 +458,15 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     model = tiny_model(seed=5, shallow=2)
     head = DraftHead(model, vocab=[torch.arange(16), None], context_vocab=False)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40).run()
 
     first = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert first.warmup_window > 0 and got.trace[0]["scored_layers"] > 0  # a warm-up
 
     second = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert second.warmup_window == 0 and got.trace[0]["scored_layers"] == 0  # none
     assert second.cost is first.cost  # corrections to the cost stay for the process
@@ -482,7 +484,7 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
         np.testing.assert_allclose(then.stats.mismatched, carried / 3)
 
     alone = make_policy("del-fast", model.num_layers, remember=False)  # opted out: a warm-up
-    got = decode_tokens(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0
 
 

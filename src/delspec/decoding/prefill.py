@@ -114,7 +114,7 @@ def _run_prompt_rows(model: Transformer, part: list[tuple[Prefill, int]], tiles:
         first = prefill.done_rows
         ids += prefill.decoding.prompt[first : first + rows]
         positions += range(first, first + rows)
-        slots += [prefill.decoding.engine.slot] * rows
+        slots += [prefill.decoding.slot] * rows
     states = model.embed(ids)
     model.run_rows(states, positions, slots, 0, model.num_layers, tiles=tiles)
     synchronize(model.device)

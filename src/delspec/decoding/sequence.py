@@ -1,8 +1,9 @@
-"""Sequences being decoded, one at a time (`decode_tokens`; several together: `batch`).
+"""Sequences being decoded, one at a time (several together: `batch`).
 
 A `Decoding` is one sequence in progress: its engine on a slot of the model's KV cache, its
 policy, and its statistics. `advance` runs one round the policy plans (drafts and all);
-`commit` takes a round verified in a batched pass (`batch.step_together`).
+`commit` takes a round verified in a batched pass (`batch.step_together`); `run` is the whole
+token loop. A config's runs are assembled by `delspec.decoding.run.ResolvedConfig.decoding`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from delspec.decoding.engine import Engine, through_eos
 from delspec.decoding.grammar import Constraint
+from delspec.decoding.prefix import Held
 from delspec.decoding.sampling import Sampling
 from delspec.drafting.context_drafts import NO_PROPOSAL, POOL
 from delspec.drafting.draft_pool import DraftPool
@@ -134,6 +136,16 @@ class Decoding:
     @property
     def model(self) -> Transformer:
         return self.engine.model
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence so far: the prompt and the tokens committed after it."""
+        return self.engine.tokens
+
+    @property
+    def slot(self) -> int:
+        """The model's KV cache slot the sequence runs on."""
+        return self.engine.slot
 
     @property
     def generated(self) -> int:
@@ -269,6 +281,24 @@ class Decoding:
         """End the sequence here: "stop" (a stop string), or "cancelled" (its caller)."""
         self.finish_reason = reason
 
+    def held(self, written: int | None = None) -> Held:
+        """What the sequence's cache slot holds once its first `written` positions are cached
+        (None: every position but the newest token's, which no pass has run yet)."""
+        tokens = self.engine.tokens
+        written = len(tokens) - 1 if written is None else written
+        return Held.of(self.prompt, tokens, written, self.model)
+
+    def run(self, on_round: OnRound | None = None) -> Decoded:
+        """Start, then advance to the end: an EOS token, the budget or the model's context, or
+        `on_round(tokens, accepted_drafts)` returning False after a round. Greedy output equals
+        plain autoregressive greedy output; sampled output follows the same distribution."""
+        self.start()
+        while not self.done:
+            tokens, accepted = self.advance()
+            if on_round is not None and not on_round(tokens, accepted):
+                self.stop()
+        return self.finish()
+
     def finish(self) -> Decoded:
         """What the sequence decoded, with its statistics (its policy `finish`ed, in the decode
         time)."""
@@ -282,42 +312,6 @@ class Decoding:
             self.engine.pool.add(self.prompt, new)
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
-
-
-def decode_tokens(
-    model: Transformer,
-    prompt_ids: Sequence[int],
-    policy: Policy,
-    *,
-    sampling: Sampling | None = None,
-    max_new_tokens: int = 128,
-    eos_token_ids: Sequence[int] = (),
-    exit_head: ExitHead | None = None,
-    on_round: OnRound | None = None,
-    trace: bool = False,
-) -> Decoded:
-    """Generate up to `max_new_tokens` after `prompt_ids` with `policy` deciding every round.
-
-    Stops after an EOS token, at the budget or the model's context, or when `on_round(tokens,
-    accepted_drafts)` returns False. Greedy output equals plain autoregressive greedy output;
-    sampled output follows the same distribution.
-    """
-    decoding = Decoding(
-        model,
-        prompt_ids,
-        policy,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids,
-        exit_head=exit_head,
-        trace=trace,
-    )
-    decoding.start()
-    while not decoding.done:
-        tokens, accepted = decoding.advance()
-        if on_round is not None and not on_round(tokens, accepted):
-            decoding.stop()
-    return decoding.finish()
 
 
 class _Totals:

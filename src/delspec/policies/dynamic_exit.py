@@ -16,7 +16,6 @@ from torch import Tensor
 from delspec.decode_config import DELOptions
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
-from delspec.errors import ConfigError
 from delspec.kernels.scores import top_logsumexp
 from delspec.policies.cost_model import LayerCost
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
@@ -66,11 +65,8 @@ class DynamicExit(Policy):
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
         super().__init__(num_layers)
-        layers = options.candidates if options.candidates is not None else range(1, num_layers)
-        if not layers:
-            raise ConfigError("DEL needs at least one candidate exit layer")
         # `start` adds layer L to the default candidates when the head drafts it cheaply.
-        self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
+        self.base_candidates = options.exit_layers(num_layers)
         self.may_add_final_layer = options.candidates is None
         self.omega, self.draft_cap = options.omega, options.draft_cap
         self.warmup_window, self.dynamic_draft = options.warmup, options.dynamic_draft

@@ -9,7 +9,6 @@ from torch import Tensor
 
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
-from delspec.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -109,14 +108,3 @@ class Policy:
     def finish(self) -> None:
         """The sequence ended (no more `plan` or `observe` until the next `start`): apply any
         updates `observe` held back."""
-
-    def check_exit_layer(self, exit_layer: int | None) -> int:
-        """`exit_layer` (None: a quarter of the layers), checked against the model's depth."""
-        if exit_layer is None:
-            exit_layer = max(1, self.num_layers // 4)
-        if not 1 <= exit_layer <= self.num_layers:
-            raise ConfigError(
-                f"exit layer must be in 1..{self.num_layers} for a {self.num_layers}-layer "
-                f"model, got {exit_layer}"
-            )
-        return exit_layer
