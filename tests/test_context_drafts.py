@@ -200,7 +200,7 @@ def test_the_index_holds_exactly_the_committed_tokens():
     while not decoding.done:
         decoding.advance()
         index = decoding.engine.index
-        assert index.tokens == decoding.engine.tokens
+        assert index.tokens == decoding.tokens
         assert index.propose(6) == ContextIndex(index.tokens, 1, 4).propose(6)
     stats = decoding.finish().stats
     assert stats.drafted > stats.accepted > 0

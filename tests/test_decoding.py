@@ -65,7 +65,7 @@ def test_batched_steps_give_each_sequence_its_solo_tokens(compiled):
             break
         step_together(active)
         for d in [d for d in active if d.done]:
-            finished[d.engine.slot] = d.finish().token_ids
+            finished[d.slot] = d.finish().token_ids
             active.remove(d)
     assert finished == {i: expected[i][: budgets[i]] for i in range(len(PROMPTS))}
 

@@ -30,10 +30,9 @@ def decoding(model: Transformer, prompt: list[int], slot: int, tokens: int = 12)
 def first_logits(model: Transformer, d: Decoding) -> torch.Tensor:
     """The full model's logits after the prompt (the decoding's first step, taken)."""
     with torch.inference_mode():
-        engine = d.engine
-        ids = torch.tensor(engine.tokens[-1:])
-        position = [len(engine.tokens) - 1]
-        h = model.run_rows(model.embed(ids), position, [engine.slot], 0, model.num_layers)
+        ids = torch.tensor(d.tokens[-1:])
+        position = [len(d.tokens) - 1]
+        h = model.run_rows(model.embed(ids), position, [d.slot], 0, model.num_layers)
         return model.head(h)
 
 

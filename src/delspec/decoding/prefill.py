@@ -35,9 +35,7 @@ class Prefill:
     def __init__(self, decoding: Decoding, cached: int = 0) -> None:
         self.decoding = decoding
         with torch.inference_mode():  # the cache slots are the engines' (made in inference mode)
-            decoding.engine.begin(decoding.prompt, decoding.capacity)
-        decoding.prefill_s = 0.0
-        decoding.cached_tokens = cached
+            decoding.begin(cached)
         self.done_rows = cached
 
     @property

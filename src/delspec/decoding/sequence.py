@@ -172,6 +172,13 @@ class Decoding:
         synchronize(self.model.device)
         self.prefill_s = time.perf_counter() - t0
 
+    def begin(self, cached: int = 0) -> None:
+        """Start the sequence without prefilling it: its caller runs the prompt's rows through
+        the layers (`delspec.decoding.prefill`); its slot holds the first `cached` already."""
+        self.engine.begin(self.prompt, self.capacity)
+        self.prefill_s = 0.0
+        self.cached_tokens = cached
+
     @property
     def draft_room(self) -> int:
         """How many draft tokens the next round may verify: within the budget and the cache."""
