@@ -17,7 +17,7 @@ import torch
 
 from delspec import load_model
 from delspec.bench.backends import load_transformers_model
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.policies import make_policy
 
 PROMPTS = [
@@ -49,7 +49,7 @@ def main() -> None:
 
     def ours(ids: list[int], new: int) -> list[int]:
         policy = make_policy("ar", lm.model.num_layers)
-        return decode_tokens(lm.model, ids, policy, max_new_tokens=new).token_ids
+        return Decoding(lm.model, ids, policy, max_new_tokens=new).run().token_ids
 
     def theirs(ids: list[int], new: int) -> list[int]:
         with torch.inference_mode():

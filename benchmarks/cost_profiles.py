@@ -26,7 +26,7 @@ from delspec import PRESETS, load_model
 from delspec.bench.environment import cpu_name
 from delspec.bench.tasks import load_task
 from delspec.decoding.generate import encode_prompt
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import draft_head
 from delspec.machine.profile_store import cached_profile
 from delspec.policies import make_policy
@@ -76,14 +76,14 @@ def main() -> None:
                     policy = make_policy(config, model.num_layers)
                     policy.cost = MeasuredCost(profiles[name], model.num_layers)
                     LEARNED[model] = learned[name]
-                out = decode_tokens(
+                out = Decoding(
                     model,
                     ids,
                     policy,
                     max_new_tokens=args.max_new_tokens,
                     eos_token_ids=lm.eos_token_ids,
                     exit_head=head,
-                )
+                ).run()
                 outputs[name] = out.token_ids
                 seconds[name] += out.stats.decode_ms_per_token * out.stats.new_tokens / 1e3
                 tokens[name] += out.stats.new_tokens

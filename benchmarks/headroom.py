@@ -75,7 +75,8 @@ def round_costs(lm, head, prompt_ids: list[int], cap: int, cycles: int) -> dict[
         engine.round(0, 0, lambda c: True)
         start = time.perf_counter()
         if kind == "context":
-            engine.round(0, 0, lambda c: True, context=[rng.randrange(100, high) for _ in range(n)])
+            drafts = [rng.randrange(100, high) for _ in range(n)]
+            engine.round(0, 0, lambda c: True, context_drafts=drafts)
         else:
             engine.round(model.num_layers, n, lambda c: True)
         middle = time.perf_counter()

@@ -143,7 +143,7 @@ def run_delspec(
     made then)."""
     import torch
 
-    from delspec.decoding.sequence import decode_tokens
+    from delspec.decoding.sequence import Decoding
     from delspec.policies import make_policy
     from delspec.weights.loading import load_model
 
@@ -153,7 +153,7 @@ def run_delspec(
     result = {"load_s": time.perf_counter() - start}
     if new_tokens:
         policy = make_policy("ar", model.num_layers)
-        stats = decode_tokens(model, prompt, policy, max_new_tokens=new_tokens).stats
+        stats = Decoding(model, prompt, policy, max_new_tokens=new_tokens).run().stats
         result["prefill_tok_s"] = len(prompt) / (stats.prefill_ms / 1e3)
         result["decode_tok_s"] = 1e3 / stats.decode_ms_per_token
     return result

@@ -14,7 +14,7 @@ import httpx
 from tiny_models import tiny_model
 
 from delspec.decode_config import StaticOptions
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import NO_PROPOSAL
 from delspec.drafting.exit_head import ExitHead
 from delspec.machine.cost_profile import CostProfile
@@ -68,9 +68,9 @@ def run(model, prompt, strategy, max_new, eos=(), int8=False, **options):
     observe = policy.observe
     policy.observe = lambda record: (records.append(record), observe(record))[-1]
     head = ExitHead(model, int8) if int8 else None
-    out = decode_tokens(
+    out = Decoding(
         model, prompt, policy, max_new_tokens=max_new, eos_token_ids=eos, exit_head=head
-    )
+    ).run()
     return out, records
 
 
@@ -97,7 +97,8 @@ class Scripted(Static):
 
     def plan(self, proposal=NO_PROPOSAL):
         self.round += 1
-        return Plan(self.exit_layer, self.layer_drafts, context=self._script(0, self.context))
+        drafts = self._script(0, self.context)
+        return Plan(self.exit_layer, self.layer_drafts, context_drafts=drafts)
 
     def follow(self, proposal, layer_drafts, last):
         if not self.after or not (

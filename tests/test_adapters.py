@@ -14,7 +14,7 @@ from delspec.calibration.calibrate import fit_adapters, read_prompts
 from delspec.cli import main
 from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.decoding.sampling import Sampling
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.adapters import (
     ExitAdapters,
     default_adapters_path,
@@ -64,7 +64,7 @@ def data() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def adapters(model, data) -> ExitAdapters:
     # Calibrating after decoding: the engine's KV cache (an inference tensor) is reused.
-    decode_tokens(model, [1], make_policy("ar", model.num_layers), max_new_tokens=60)
+    Decoding(model, [1], make_policy("ar", model.num_layers), max_new_tokens=60).run()
     return fit_adapters(model, data, rank=8, steps=120, lr=1e-2)
 
 
@@ -249,9 +249,9 @@ def test_drafting_with_adapters_and_pruned_vocab_is_lossless(model, adapters, st
     for prompt_len, max_new in [(1, 9), (6, 33), (30, 20)]:
         prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
         ar = make_policy("ar", model.num_layers)
-        expected = decode_tokens(model, prompt, ar, max_new_tokens=max_new)
+        expected = Decoding(model, prompt, ar, max_new_tokens=max_new).run()
         policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
-        got = decode_tokens(model, prompt, policy, max_new_tokens=max_new, exit_head=head)
+        got = Decoding(model, prompt, policy, max_new_tokens=max_new, exit_head=head).run()
         assert got.token_ids == expected.token_ids, (strategy, prompt_len)
         drafted += got.stats.drafted
         accepted += got.stats.accepted
@@ -286,9 +286,9 @@ def test_drafting_from_the_final_layer_through_a_pruned_head_is_lossless(model, 
     head = DraftHead(model, None, top_tokens(adapters.ranking, 16))
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
-    expected = decode_tokens(model, prompt, make_policy("ar", num_layers), max_new_tokens=40)
+    expected = Decoding(model, prompt, make_policy("ar", num_layers), max_new_tokens=40).run()
     policy = make_policy("static", num_layers, exit_layer=num_layers, draft_length=3)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=40, exit_head=head)
+    got = Decoding(model, prompt, policy, max_new_tokens=40, exit_head=head).run()
     assert got.token_ids == expected.token_ids
     # A final-layer draft is the target's token whenever the pruned head holds it.
     assert 0 < got.stats.accepted < got.stats.drafted
@@ -316,9 +316,9 @@ def test_sampling_with_a_draft_head_runs(model, adapters, strategy):
     head = DraftHead(model, adapters, top_tokens(adapters.ranking, 16))
     policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
     sampling = Sampling(temperature=1.0, top_p=0.9, seed=3)
-    out = decode_tokens(
+    out = Decoding(
         model, [1, 2, 3], policy, sampling=sampling, max_new_tokens=25, exit_head=head
-    )
+    ).run()
     assert len(out.token_ids) == 25 and all(0 <= t < VOCAB for t in out.token_ids)
 
 

@@ -11,7 +11,7 @@ import torch
 from helpers import Scripted, profile, run
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import MAX_MATCH, NO_PROPOSAL, ContextIndex, ContextProposal
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
@@ -121,9 +121,9 @@ def test_context_and_mixed_rounds_are_lossless(exit_layer, weights):
         head = ExitHead(model, int8=weights == "int8")
         for context in (1, 3, 5):
             policy = Scripted(LAYERS, expected.token_ids, context, lambda r: r % 4, exit_layer)
-            got = decode_tokens(
+            got = Decoding(
                 model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
-            )
+            ).run()
             assert got.token_ids == expected.token_ids, (seed, context)
             for r in got.trace:
                 k = r["from_context"]
@@ -157,9 +157,9 @@ def test_context_drafts_after_exit_layer_drafts_are_lossless(exit_layer, weights
                 after=after,
                 switch_at=switch_at,
             )
-            got = decode_tokens(
+            got = Decoding(
                 model, prompt, policy, max_new_tokens=40, exit_head=head, trace=True
-            )
+            ).run()
             assert got.token_ids == expected.token_ids, (seed, after)
             for r in got.trace:
                 k, layer_drafts = r["context_after"], r["drafted"] - r["context_after"]
@@ -183,9 +183,9 @@ def test_an_end_of_sequence_inside_a_context_draft_ends_the_output():
     for exit_layer in (0, 2):
         # the whole reply, which ends at the EOS, as one context draft; nothing after it
         policy = Scripted(LAYERS, [*expected.token_ids, 1, 2], 40, lambda r: 40, exit_layer)
-        got = decode_tokens(
+        got = Decoding(
             model, prompt, policy, max_new_tokens=30, eos_token_ids=(eos,), trace=True
-        )
+        ).run()
         assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
         assert len(got.trace) == 1 and got.trace[0]["drafted"] == len(expected.token_ids)
 
@@ -200,7 +200,7 @@ def test_the_index_holds_exactly_the_committed_tokens():
     while not decoding.done:
         decoding.advance()
         index = decoding.engine.index
-        assert index.tokens == decoding.engine.tokens
+        assert index.tokens == decoding.tokens
         assert index.propose(6) == ContextIndex(index.tokens, 1, 4).propose(6)
     stats = decoding.finish().stats
     assert stats.drafted > stats.accepted > 0
@@ -241,8 +241,8 @@ def test_a_context_draft_is_taken_when_it_pays():
     assert policy.plan().draft_cap == 0  # without a proposal: a plain step
     plan = policy.plan(PROPOSAL)
     assert plan.exit_layer == 0 and plan.draft_cap == 0
-    assert 3 <= len(plan.context) <= 6 and plan.context == tuple(
-        PROPOSAL.tokens[: len(plan.context)]
+    assert 3 <= len(plan.context_drafts) <= 6 and plan.context_drafts == tuple(
+        PROPOSAL.tokens[: len(plan.context_drafts)]
     )
 
 
@@ -263,7 +263,7 @@ def test_a_layer_draft_that_beats_the_context_wins_and_both_can_extend():
     # (prior=1: the proposals' 12 rounds are not outweighed by CONTEXT_PRIOR's unseen misses)
     policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan(ContextProposal([11], 2))
-    assert plan.context == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
+    assert plan.context_drafts == (11,) and plan.exit_layer == 2 and plan.draft_cap > 0
 
 
 def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_now():
@@ -290,10 +290,10 @@ def test_a_context_draft_is_weighed_against_a_plain_step_where_the_sequence_is_n
         policy.cost.at(now)
         return policy.plan(proposal)
 
-    assert plan_at(1000, 1000).context == (11,)  # 2 rows cost 4% more than 1 there
+    assert plan_at(1000, 1000).context_drafts == (11,)  # 2 rows cost 4% more than 1 there
     assert plan_at(0, 0) == Plan(0, 0)  # 6.7% more: a 10.5% chance does not beat the margin
     assert plan_at(1000, 0) == Plan(0, 0)  # chosen far on, weighed at the start
-    assert plan_at(0, 1000).context == (11,)
+    assert plan_at(0, 1000).context_drafts == (11,)
 
 
 def test_proposals_are_scored_against_the_committed_tokens():
@@ -304,7 +304,7 @@ def test_proposals_are_scored_against_the_committed_tokens():
     expected, _ = run(model, prompt, "ar", 40)
     policy = make_policy("del-fast", model.num_layers, candidates=[2])
     policy.cost = MeasuredCost(profile(*LINEAR), model.num_layers)  # nothing pays: plain steps
-    got = decode_tokens(model, prompt, policy, max_new_tokens=40)
+    got = Decoding(model, prompt, policy, max_new_tokens=40).run()
     assert got.token_ids == expected.token_ids and got.stats.drafted == 0
     stats = policy.context_score.stats
     assert float((stats.matched + stats.mismatched).sum()) > 0
@@ -362,10 +362,10 @@ def test_context_tokens_follow_exit_layer_drafts_where_they_pay():
     (not planned that way), nor from proposals whose first token misses."""
     policy = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], ALWAYS, prior=1.0)
     plan = policy.plan()
-    assert plan.exit_layer == 2 and plan.draft_cap >= 2 and not plan.context
+    assert plan.exit_layer == 2 and plan.draft_cap >= 2 and not plan.context_drafts
     assert policy.follow(PROPOSAL, plan.draft_cap, True) == PROPOSAL.tokens
     assert policy.follow(PROPOSAL, 1, False) == PROPOSAL.tokens  # instead of drafting on
-    assert policy.plan(ContextProposal([11], 2)).context == (11,)
+    assert policy.plan(ContextProposal([11], 2)).context_drafts == (11,)
     assert policy.follow(PROPOSAL, plan.draft_cap, True) == []
     wrong = _fast_policy(*FLAT, [95, 1, 1], [5, 30, 30], WRONG, prior=1.0)
     wrong_plan = wrong.plan()

@@ -24,7 +24,7 @@ from delspec.decode_config import (
     parse_option,
 )
 from delspec.decoding.generate import generate
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import draft_head
 from delspec.drafting.exit_head import ExitHead
 from delspec.errors import ConfigError
@@ -187,7 +187,7 @@ def test_a_bench_method_runs_its_config(lm):
     output = DelspecBackend(lm).generator(static.spec.strategy, static.options)([1, 2, 3], 20)
     drafting = [r for r in output.trace if r["drafted"]]
     assert drafting and all(r["exit_layer"] == 2 and r["drafted"] <= 3 for r in drafting)
-    expected = decode_tokens(lm.model, [1, 2, 3], make_policy("ar", LAYERS), max_new_tokens=20)
+    expected = Decoding(lm.model, [1, 2, 3], make_policy("ar", LAYERS), max_new_tokens=20).run()
     assert output.token_ids == expected.token_ids
 
 

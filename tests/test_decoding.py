@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 
 from delspec.decoding.batch import start_together, step_together
 from delspec.decoding.sampling import Sampling
-from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.machine.batching import paying_batch
 from delspec.policies import make_policy
@@ -20,7 +20,7 @@ PROMPTS = [list(range(3, 12)), list(range(20, 23)), [5, 9, 14, 2, 7, 30, 31], [4
 
 def solo(model, prompt, sampling=None, tokens=24):
     policy = make_policy("ar", model.num_layers)
-    return decode_tokens(model, prompt, policy, sampling=sampling, max_new_tokens=tokens)
+    return Decoding(model, prompt, policy, sampling=sampling, max_new_tokens=tokens).run()
 
 
 def slots(model, length, count):
@@ -65,7 +65,7 @@ def test_batched_steps_give_each_sequence_its_solo_tokens(compiled):
             break
         step_together(active)
         for d in [d for d in active if d.done]:
-            finished[d.engine.slot] = d.finish().token_ids
+            finished[d.slot] = d.finish().token_ids
             active.remove(d)
     assert finished == {i: expected[i][: budgets[i]] for i in range(len(PROMPTS))}
 

@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.decode_config import PAPER
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.exit_head import ExitHead
 from delspec.policies import make_policy
 from delspec.policies.dynamic_exit import DynamicExit
@@ -57,9 +57,9 @@ def test_tpl_choice_and_confidence_threshold_by_hand(strategy):
         assert policy.plan().draft_cap == 1 and policy.keep_drafting(0.0)
 
 
-def _round(exit_layer, drafted, accepted, targets, hidden, context=0):
+def _round(exit_layer, drafted, accepted, targets, hidden, warmup_rows=0):
     return Round(
-        0, exit_layer, drafted, [0.9] * len(drafted), accepted, [], targets, hidden, context
+        0, exit_layer, drafted, [0.9] * len(drafted), accepted, [], targets, hidden, warmup_rows
     )
 
 
@@ -93,16 +93,16 @@ def test_valid_context_is_clipped_at_the_first_mismatch_of_the_exit_layer():
     assert policy.stats.confidence_matched.tolist() == pytest.approx([conf, conf, 2 * conf])
 
 
-def test_warmup_context_is_never_clipped():
+def test_warmup_rows_are_never_clipped():
     model = tiny_model(num_layers=3)
     policy = make_policy("del", 3, omega=1.0)
     table = {1: [0, 0, 0, 1, 9], 2: [5, 6, 7, 8, 9]}
     policy.start(ScriptedHead(model, table))
     assert policy.plan().exit_layer == 1 and policy.plan().draft_cap == 1  # round 0
-    record = _round(1, [1], 0, torch.tensor([5, 6, 7, 8, 9]), torch.zeros(3, 5, 32), context=3)
+    record = _round(1, [1], 0, torch.tensor([5, 6, 7, 8, 9]), torch.zeros(3, 5, 32), warmup_rows=3)
     policy.observe(record)
-    # layer 1 mismatches at every context position and at round position 0 -> u = 0:
-    # valid = 3 context positions + position 0 (position 1 dropped)
+    # layer 1 mismatches at every warm-up position and at round position 0 -> u = 0:
+    # valid = 3 warm-up positions + position 0 (position 1 dropped)
     assert policy.stats.matched.tolist() == [0.0, 4.0]
     assert policy.stats.mismatched.tolist() == [4.0, 0.0]
     assert policy.plan().exit_layer == 2  # alpha(2) = 1 wins the TPL search
@@ -115,16 +115,16 @@ def test_round_zero_uses_the_prompt_window_and_state_resets_per_prompt():
     seen = []
     observe = policy.observe
     policy.observe = lambda r: (
-        seen.append((r.context, r.hidden.shape[1], len(r.drafted))),
+        seen.append((r.warmup_rows, r.hidden.shape[1], len(r.drafted))),
         observe(r),
     )[-1]
     prompt = list(range(1, 41))
-    first = decode_tokens(model, prompt, policy, max_new_tokens=12)
-    assert seen[0] == (32, 32 + 2, 1)  # 32 context positions + input + one draft
+    first = Decoding(model, prompt, policy, max_new_tokens=12).run()
+    assert seen[0] == (32, 32 + 2, 1)  # 32 warm-up positions + input + one draft
     assert all(c == 0 for c, _, _ in seen[1:])
     stats_after_first = policy.stats.matched.copy()
     seen.clear()
-    second = decode_tokens(model, prompt, policy, max_new_tokens=12)
+    second = Decoding(model, prompt, policy, max_new_tokens=12).run()
     assert second.token_ids == first.token_ids
     assert seen[0][0] == 32
     assert np.array_equal(policy.stats.matched, stats_after_first)  # nothing carried over
@@ -135,7 +135,7 @@ def test_only_del_stops_drafts_by_confidence(strategy):
     """DEL ends a draft at a token whose confidence is below tau; DELE drafts its cap."""
     model = tiny_model(seed=2, shallow=2)
     policy = make_policy(strategy, model.num_layers, cost="measured")
-    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, list(range(1, 30)), policy, max_new_tokens=60, trace=True).run()
     rounds = got.trace[1:-1]  # drafting rounds that neither start nor end the reply
     caps = [r["next_draft_cap"] for r in got.trace[:-2]]
     stopped = [r["drafted"] < cap for r, cap in zip(rounds, caps, strict=True)]
@@ -151,7 +151,7 @@ def test_shadow_tokens_equal_a_full_pass_with_that_exit_layer():
     observe = policy.observe
     policy.observe = lambda r: (records.append(r), observe(r))[-1]
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    out = decode_tokens(model, prompt, policy, max_new_tokens=20)
+    out = Decoding(model, prompt, policy, max_new_tokens=20).run()
     sequence = prompt + out.token_ids
     record = next(r for r in records[1:] if len(r.drafted) >= 2)
     valid = record.accepted + 1  # positions whose inputs are all committed

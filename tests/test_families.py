@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.policies import STRATEGIES, make_policy
 
 FAMILIES = {
@@ -70,8 +70,8 @@ def test_every_strategy_matches_ar(family, blocks):
     model = tiny_model(seed=1, shallow=2, blocks=blocks, **FAMILIES[family])
     assert model.config.family == FAMILIES[family].get("family", "llama")
     prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=24)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=24).run()
     for strategy in sorted(set(STRATEGIES) - {"ar"}):
         policy = make_policy(strategy, model.num_layers, **OPTIONS.get(strategy, {}))
-        got = decode_tokens(model, prompt, policy, max_new_tokens=24)
+        got = Decoding(model, prompt, policy, max_new_tokens=24).run()
         assert got.token_ids == expected.token_ids, strategy

@@ -11,7 +11,7 @@ import torch
 from helpers import profile
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
@@ -31,8 +31,8 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
     slow = profile([1.0 * k for k in range(1, 21)], [0.1 * k for k in range(1, 21)], 0.5)
     policy.cost = MeasuredCost(slow, model.num_layers)
     prompt = list(range(3, 20))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=30, trace=True)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=30).run()
+    got = Decoding(model, prompt, policy, max_new_tokens=30, trace=True).run()
     assert got.token_ids == expected.token_ids
     plain = [r for r in got.trace if r["exit_layer"] == 0]
     assert len(plain) >= 25  # after the warm-up round, every round is a plain step
@@ -43,9 +43,9 @@ def test_no_draft_rounds_with_a_profile_where_drafting_cannot_pay(tmp_path, monk
 def test_shadow_budget_bounds_policy_work_and_stays_lossless():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60).run()
     policy = make_policy("del", model.num_layers, shadow_budget=0.05, no_draft=True)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, prompt, policy, max_new_tokens=60, trace=True).run()
     assert got.token_ids == expected.token_ids
     scored = [r for r in got.trace[1:] if r["scored_layers"]]
     assert len(scored) < len(got.trace) - 1  # some rounds skip scoring entirely
@@ -156,12 +156,12 @@ def test_acceptance_in_runs_drafts_longer():
 def test_unscored_rounds_count_the_exit_layers_own_drafts():
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=60).run()
     # exit-layer drafts only (context drafts have their own statistics)
     policy = make_policy(
         "del-fast", model.num_layers, shadow_budget=0.01, warmup=4, context_drafts=False
     )
-    got = decode_tokens(model, prompt, policy, max_new_tokens=60, trace=True)
+    got = Decoding(model, prompt, policy, max_new_tokens=60, trace=True).run()
     assert got.token_ids == expected.token_ids
     for before, entry in zip(got.trace, got.trace[1:], strict=False):
         if entry["drafted"] and not entry["scored_layers"]:
@@ -177,7 +177,7 @@ def test_unscored_rounds_count_the_exit_layers_own_drafts():
 def test_the_warm_up_is_not_charged_to_the_shadow_budget():
     model = tiny_model(seed=3, shallow=2)
     policy = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, list(range(1, 30)), policy, max_new_tokens=1, trace=True)
+    got = Decoding(model, list(range(1, 30)), policy, max_new_tokens=1, trace=True).run()
     (warm_up,) = got.trace
     assert warm_up["scored_layers"] == model.num_layers - 1  # every candidate of a tiny model
     assert warm_up["shadow_ms"] > 0 and policy.credit > 0  # credit only grew by the round
@@ -263,7 +263,7 @@ def test_every_round_updates_the_final_layer_from_its_verification():
         record.from_context = 2
         policy.credit = 0.0  # nothing for shadow tokens
         policy.observe(record)
-        policy.finish()
+        policy.apply_held()
 
     context_round(0)  # one valid position: 3
     assert policy.stats.matched[rows].tolist() == [1.0, 1.0]
@@ -284,7 +284,7 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
     def plain_round(target: int) -> None:
         """A plain round, its updates applied at once (not held back for later rounds')."""
         policy.observe(Round(0, 0, [], [], 0, [target], torch.tensor([target])))
-        policy.finish()
+        policy.apply_held()
 
     plain_round(3)  # alpha 0 -> 1 at both levels: chosen again
     final = [policy.chosen_alpha[row] for row in policy.final_rows]
@@ -299,7 +299,7 @@ def test_a_count_chooses_the_plan_again_only_when_an_alpha_moved():
 
 def test_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(monkeypatch, tmp_path):
     """The updates of a round without exit-layer drafts (a plain step, or context drafts
-    alone) wait for `HELD_BATCH` of them (or `finish`, or a round that is not held back);
+    alone) wait for `HELD_BATCH` of them (or `apply_held`, or a round that is not held back);
     applied, they leave every statistic where applying each round at once would have: the
     final layer's counts (which target each level held then: the sequence's tokens join the
     draft vocabularies as it runs), the context proposals' scores, the realized plain steps,
@@ -338,7 +338,7 @@ def test_rounds_held_back_reach_the_statistics_of_rounds_applied_one_by_one(monk
     assert counted(run(HELD_BATCH, HELD_BATCH)) > 0  # a full batch is applied
     held, at_once = run(HELD_BATCH, 37), run(1, 37)
     assert counted(held) < counted(at_once)  # 5 rounds still wait
-    held.finish()
+    held.apply_held()
     assert held.stats.sums == pytest.approx(at_once.stats.sums)
     assert held.context_score.stats.sums == pytest.approx(at_once.context_score.stats.sums)
     assert held.context_score.stats.sums.sum() > 0  # proposals were scored
@@ -370,7 +370,7 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     model = tiny_model(seed=3, shallow=2)
     prompt = list(range(1, 30))
     first = make_policy("del-fast", model.num_layers)
-    decode_tokens(model, prompt, first, max_new_tokens=4)  # measures and caches the profile
+    Decoding(model, prompt, first, max_new_tokens=4).run()  # measures and caches the profile
     (path,) = (tmp_path / "costs").glob("profile-*.json")
     stored = json.loads(path.read_text())
     busy = {**stored, "layer": [t * 100 for t in stored["layer"]]}
@@ -380,8 +380,10 @@ def test_a_profile_recorded_under_load_is_corrected_within_100_tokens(tmp_path, 
     path.write_text(json.dumps(busy))
     # a new process: nothing remembered from the first generation, the profile read from file
     policy = make_policy("del-fast", model.num_layers, remember=False)
-    got = decode_tokens(model, prompt, policy, max_new_tokens=100)
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100)
+    got = Decoding(model, prompt, policy, max_new_tokens=100).run()
+    expected = Decoding(
+        model, prompt, make_policy("ar", model.num_layers), max_new_tokens=100
+    ).run()
     assert got.token_ids == expected.token_ids
     check = policy.cost.check
     assert check.corrections and check.corrections[0] < 1 / 3  # fired, and far off
@@ -456,15 +458,15 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     model = tiny_model(seed=5, shallow=2)
     head = DraftHead(model, vocab=[torch.arange(16), None], context_vocab=False)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
-    expected = decode_tokens(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40)
+    expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40).run()
 
     first = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert first.warmup_window > 0 and got.trace[0]["scored_layers"] > 0  # a warm-up
 
     second = make_policy("del-fast", model.num_layers)
-    got = decode_tokens(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert second.warmup_window == 0 and got.trace[0]["scored_layers"] == 0  # none
     assert second.cost is first.cost  # corrections to the cost stay for the process
@@ -482,7 +484,7 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
         np.testing.assert_allclose(then.stats.mismatched, carried / 3)
 
     alone = make_policy("del-fast", model.num_layers, remember=False)  # opted out: a warm-up
-    got = decode_tokens(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True)
+    got = Decoding(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0
 
 

@@ -55,7 +55,7 @@ from transformers import (
 
 from delspec.bench.backends import load_transformers_model
 from delspec.cache import file_key
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_vocab import fallback_ranking
 from delspec.errors import ConfigError, DelspecError, ModelFormatError
 from delspec.kernels.blocks import advise_huge_pages
@@ -234,7 +234,7 @@ def test_weights_in_huge_pages_decode_the_same_tokens():
     for huge in (False, True):
         model = load_model("default", huge_pages=huge).model
         policy = make_policy("ar", model.num_layers)
-        tokens.append(decode_tokens(model, prompt, policy, max_new_tokens=12).token_ids)
+        tokens.append(Decoding(model, prompt, policy, max_new_tokens=12).run().token_ids)
     assert tokens[0] == tokens[1] and len(tokens[0]) == 12
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if setting.is_file() and "[never]" not in setting.read_text():

@@ -7,7 +7,7 @@ import torch
 from helpers import POLICIES, AtLevel, run
 from tiny_models import tiny_model
 
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import DraftHead
 from delspec.policies import STRATEGIES
 
@@ -125,7 +125,7 @@ def test_every_draft_vocabulary_level_is_lossless(level, int8):
         expected, _ = run(model, prompt, "ar", 30)
         for exit_layer in (2, model.num_layers):
             policy = AtLevel(model.num_layers, level, exit_layer=exit_layer, draft_length=3)
-            got = decode_tokens(model, prompt, policy, max_new_tokens=30, exit_head=head)
+            got = Decoding(model, prompt, policy, max_new_tokens=30, exit_head=head).run()
             assert got.token_ids == expected.token_ids, (seed, exit_layer)
             accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
     assert 0 < accepted < drafted  # accepted and rejected drafts

@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 from delspec.decoding.batch import start_together, step_together
 from delspec.decoding.prefill import Prefill, chunk_rows, fair_shares, prefill_chunk
-from delspec.decoding.sequence import Decoding, decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.kernels.layers import prompt_tiles_ready
 from delspec.machine.batching import measured_attention_span
 from delspec.model.transformer import Transformer
@@ -30,10 +30,9 @@ def decoding(model: Transformer, prompt: list[int], slot: int, tokens: int = 12)
 def first_logits(model: Transformer, d: Decoding) -> torch.Tensor:
     """The full model's logits after the prompt (the decoding's first step, taken)."""
     with torch.inference_mode():
-        engine = d.engine
-        ids = torch.tensor(engine.tokens[-1:])
-        position = [len(engine.tokens) - 1]
-        h = model.run_rows(model.embed(ids), position, [engine.slot], 0, model.num_layers)
+        ids = torch.tensor(d.tokens[-1:])
+        position = [len(d.tokens) - 1]
+        h = model.run_rows(model.embed(ids), position, [d.slot], 0, model.num_layers)
         return model.head(h)
 
 
@@ -80,7 +79,7 @@ def test_chunked_prefill_caches_the_bits_of_one_pass(kind: str) -> None:
     while not whole.done:  # and they decode the same tokens, batched with the short one
         step_together([d for d in (whole, chunked, short) if not d.done])
     policy = make_policy("ar", model.num_layers)
-    expected = decode_tokens(model, LONG, policy, max_new_tokens=12).token_ids
+    expected = Decoding(model, LONG, policy, max_new_tokens=12).run().token_ids
     assert whole.finish().token_ids == chunked.finish().token_ids == expected
     assert chunked.prefill_s > 0 and short.prefill_s > 0
     if tiles:  # the tiles did run: the 8-bit products cache other bits

@@ -16,7 +16,7 @@ from tiny_models import tiny_model
 
 from delspec.decoding import sampling as sampling_module
 from delspec.decoding.sampling import Sampler, Sampling
-from delspec.decoding.sequence import decode_tokens
+from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import DraftHead
 from delspec.errors import ConfigError
 from delspec.kernels.scores import greedy_tokens
@@ -280,14 +280,14 @@ def check_distribution(strategy, options, draft_vocab, int8, settings):
             )
         else:
             policy = make_policy(strategy, model.num_layers, **options)
-        out = decode_tokens(
+        out = Decoding(
             model,
             prompt,
             policy,
             sampling=Sampling(**settings, seed=seed),
             max_new_tokens=NEW,
             exit_head=head,
-        )
+        ).run()
         counts[tuple(out.token_ids)] += 1
         drafted += out.stats.drafted
     # drafts were really made and tested (context drafts: only where a token repeats)
@@ -327,14 +327,14 @@ def test_seeded_output_is_ar_s_under_every_strategy(strategy, int8, tmp_path, mo
         vocab = torch.arange(0, 64, 2) if seed % 2 else None  # a pruned draft vocabulary
         prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
         sampling = Sampling(**settings, seed=100 + seed)
-        ar = decode_tokens(
+        ar = Decoding(
             model, prompt.tolist(), make_policy("ar", 4), sampling=sampling, max_new_tokens=40
-        )
+        ).run()
         policy = make_policy(strategy, model.num_layers, **POLICIES[strategy])
         head = DraftHead(model, vocab=vocab, int8=int8)
-        out = decode_tokens(
+        out = Decoding(
             model, prompt.tolist(), policy, sampling=sampling, max_new_tokens=40, exit_head=head
-        )
+        ).run()
         assert out.token_ids == ar.token_ids, (seed, settings)
         drafted += out.stats.drafted
     assert drafted > 0 or (strategy == "del-fast" and int8)  # (it finds int8 drafts too dear)

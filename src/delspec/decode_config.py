@@ -72,6 +72,22 @@ class _Options:
     def check(self) -> None:
         """Raise `ConfigError` for a value out of range (the model's own bounds aside)."""
 
+    def check_depth(self, num_layers: int) -> None:
+        """Raise `ConfigError` for a value a model of `num_layers` layers rules out."""
+
+
+def exit_layer_for(exit_layer: int | None, num_layers: int) -> int:
+    """`exit_layer` (None: a quarter of the model's layers, at least 1), checked against a model
+    of `num_layers` layers."""
+    if exit_layer is None:
+        exit_layer = max(1, num_layers // 4)
+    if not 1 <= exit_layer <= num_layers:
+        raise ConfigError(
+            f"exit layer must be in 1..{num_layers} for a {num_layers}-layer model, "
+            f"got {exit_layer}"
+        )
+    return exit_layer
+
 
 def _at_least_one(name: str, value: int) -> None:
     if value < 1:
@@ -93,6 +109,9 @@ class StaticOptions(_Options):
 
     def check(self) -> None:
         _at_least_one("draft length", self.draft_length)
+
+    def check_depth(self, num_layers: int) -> None:
+        exit_layer_for(self.exit_layer, num_layers)
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,9 @@ class DVOptions(_Options):
         if not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"threshold must be in [0, 1], got {self.threshold}")
         _at_least_one("max draft", self.max_draft)
+
+    def check_depth(self, num_layers: int) -> None:
+        exit_layer_for(self.exit_layer, num_layers)
 
 
 @dataclass(frozen=True)
@@ -202,6 +224,33 @@ class DELOptions(_Options):
                 raise ConfigError(f"{name} must be >= 0, got {value}")
         if self.context_drafts and self.cost != "measured":
             raise ConfigError("context_drafts needs cost='measured' (sources are chosen by cost)")
+
+    def check_depth(self, num_layers: int) -> None:
+        self.exit_layers(num_layers)
+
+    def exit_layers(self, num_layers: int) -> list[int]:
+        """The candidate exit layers (default: every layer but the last), ascending, checked
+        against a model of `num_layers` layers."""
+        layers = self.candidates if self.candidates is not None else range(1, num_layers)
+        if not layers:
+            raise ConfigError("DEL needs at least one candidate exit layer")
+        return [exit_layer_for(e, num_layers) for e in sorted(set(layers))]
+
+    @property
+    def uses_fast_additions(self) -> bool:
+        """Whether these options turn on anything beyond the paper's DEL (del-fast's additions,
+        `policies.fast_dynamic_exit`)."""
+        return bool(
+            self.cost != "layers"
+            or self.no_draft
+            or self.shadow_budget is not None
+            or self.runs
+            or self.min_evidence
+            or self.prior
+            or self.margin
+            or self.context_drafts
+            or self.remember
+        )
 
 
 StrategyOptions = NoOptions | StaticOptions | FSOptions | DVOptions | LookupOptions | DELOptions
@@ -295,6 +344,12 @@ class DecodeConfig:
                 f"strategy {self.strategy!r} takes {type(default).__name__}, "
                 f"not {type(self.options).__name__}"
             )
+
+    def check_depth(self, num_layers: int) -> None:
+        """Raise `ConfigError` for an option a model of `num_layers` layers rules out (an exit
+        layer past its last): what a config can be checked for before the model loads
+        (`delspec.decoding.run.resolve` checks everything against the loaded model)."""
+        self.options.check_depth(num_layers)
 
     def updated(self, **options: Any) -> DecodeConfig:
         """This config with flat `options` applied: ``preset`` (a name of `PRESETS`) replaces

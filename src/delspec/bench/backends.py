@@ -24,13 +24,11 @@ from typing import Any, Protocol
 import torch
 
 from delspec.bench.methods import method_config
-from delspec.decode_config import strategy_options
+from delspec.decode_config import exit_layer_for, strategy_options
+from delspec.decoding.run import resolve
 from delspec.decoding.sampling import Sampling
-from delspec.decoding.sequence import Stats, decode_tokens
-from delspec.drafting.draft_head import draft_head
+from delspec.decoding.sequence import Stats
 from delspec.errors import ConfigError, ModelFormatError
-from delspec.policies import make_policy
-from delspec.policies.fixed import Static
 from delspec.weights.gguf_file import GGUFFile
 from delspec.weights.loading import LoadedModel, load_model
 
@@ -131,25 +129,19 @@ class DelspecBackend:
     ) -> Generate:
         """`strategy` with `options` (`delspec.bench.methods.method_config`)."""
         config, weights = method_config(strategy, options)
-        lm = self.model_in(weights)
-        model, eos = lm.model, lm.eos_token_ids
-        exit_head = draft_head(lm, config)
-        # reject bad options now; a benchmark times the policy with its thorough costs
-        make_policy(config, model.num_layers).measure_costs(exit_head)
+        # bad options are rejected now; a benchmark times the policy with its thorough costs
+        run = resolve(config, self.model_in(weights))
+        run.new_policy().measure_costs(run.draft_head)
 
         def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
-            policy = make_policy(config, model.num_layers)
-            decoded = decode_tokens(
-                model,
+            decoding = run.decoding(
                 prompt_ids,
-                policy,
                 sampling=None if sampling is None else replace(sampling, seed=seed),
                 max_new_tokens=max_new_tokens,
-                eos_token_ids=eos,
-                exit_head=exit_head,
                 trace=True,
             )
-            layers = getattr(policy, "candidates", None)
+            decoded = decoding.run()
+            layers = getattr(decoding.policy, "candidates", None)
             stats = decoded.stats
             decode_s = stats.decode_ms_per_token * max(1, stats.new_tokens) / 1000
             return Output(
@@ -444,8 +436,8 @@ def lookup_setting(options: Mapping[str, Any]) -> tuple[int, int]:
 def static_setting(lm: LoadedModel, options: Mapping[str, Any]) -> tuple[int, int]:
     """(E, d) from `options` (`exit_layer`, `draft_length`), with the `static` strategy's
     defaults and checks."""
-    policy = Static(lm.model.num_layers, strategy_options("static", options))
-    return policy.exit_layer, policy.draft_length
+    static = strategy_options("static", options)
+    return exit_layer_for(static.exit_layer, lm.model.num_layers), static.draft_length
 
 
 def load_transformers_model(lm: LoadedModel) -> Any:

@@ -196,9 +196,9 @@ def _switch(text: str) -> bool | str:
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
     """The `DecodeConfig` of the command line: `--preset`, updated with the flags given.
     Checked against the model's depth (e.g. `--exit-layer`) before the model loads where its
-    config can be read alone (`model_depth`); else the load's own check reports it."""
+    config can be read alone (`model_depth`); the command resolves it against the loaded model
+    (`delspec.decoding.run.resolve`) in any case."""
     from delspec.decode_config import PRESETS, parse_option
-    from delspec.policies import make_policy
     from delspec.weights.loading import model_depth
 
     options = dict(parse_option(pair) for pair in args.option or ())
@@ -208,7 +208,7 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     config = PRESETS[args.preset].updated(**options)
     depth = model_depth(args.model)
     if depth is not None:
-        make_policy(config, depth)
+        config.check_depth(depth)
     return config
 
 

@@ -36,11 +36,11 @@ def step_together(
     drafts = drafts or [[] for _ in decodings]
     ids, positions, slots = [], [], []
     for decoding, draft in zip(decodings, drafts, strict=True):
-        engine = decoding.engine
-        first = len(engine.tokens) - 1
-        ids += [engine.tokens[-1], *draft]
+        tokens = decoding.tokens
+        first = len(tokens) - 1
+        ids += [tokens[-1], *draft]
         positions += range(first, first + 1 + len(draft))
-        slots += [engine.slot] * (1 + len(draft))
+        slots += [decoding.slot] * (1 + len(draft))
     inputs = model.embed(ids)
     logits = model.head(model.run_rows(inputs, positions, slots, 0, model.num_layers))
     synchronize(model.device)

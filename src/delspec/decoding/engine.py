@@ -16,7 +16,7 @@ cache entries are approximate, so verification runs every layer over every unver
 that are the target's own tokens, plus the target's next token: its greedy tokens, or under
 sampling its draws with noise keyed by the sequence's seed and position (`Sampler`, which drafts
 draw with too), so every strategy commits the tokens `ar` commits. The engine knows no policy:
-it is told the context tokens, the exit layer and the draft cap, and asked after each draft
+it is told the context draft tokens, the exit layer and the draft cap, and asked after each draft
 token whether to go on and which context tokens, if any, to take instead.
 
 With a `Constraint` (a grammar the output must match: `decoding.grammar`), every verified row's
@@ -85,7 +85,8 @@ class Engine:
         self.exit_head = exit_head or ExitHead(model)
         self.sampler: Sampler | None = None
         self.tokens: list[int] = []
-        self._context: tuple[Tensor, Tensor] | None = None
+        # the warm-up's prompt rows for the first round: every layer's states, greedy targets
+        self._warmup: tuple[Tensor, Tensor] | None = None
         self.context_ngrams = context_ngrams
         self.index: ContextIndex | None = None
 
@@ -95,9 +96,9 @@ class Engine:
 
         `capacity` is the number of positions to reserve. With `window > 0`, the per-layer states
         of the last `window` prefilled positions and their target tokens are handed to the first
-        round as teacher-forced context (DEL's warm-up). `cached`: the first positions the slot
-        holds already (`delspec.decoding.prefix.reusable`; at most the rows before the window),
-        which are not run again.
+        round as its leading rows (DEL's warm-up: `Round.warmup_rows`). `cached`: the first
+        positions the slot holds already (`delspec.decoding.prefix.reusable`; at most the rows
+        before the window), which are not run again.
         """
         self.begin(prompt, capacity)
         model = self.model
@@ -111,13 +112,13 @@ class Engine:
         if collect:
             w = min(window, rows - cached)
             hidden = torch.stack([h[-w:] for h in collect])
-            self._context = (hidden, greedy_tokens(model.head(hidden[-1])))
+            self._warmup = (hidden, greedy_tokens(model.head(hidden[-1])))
 
     def begin(self, prompt: list[int], capacity: int) -> None:
         """Start a sequence whose prompt (all but its last token) the caller runs through every
         layer: reserve `capacity` positions in its slot."""
         self.tokens = list(prompt)
-        self._context = None
+        self._warmup = None
         sampling = self.sampling
         if not sampling.greedy or sampling.adjusts:
             self.sampler = Sampler(sampling, self.model.config.vocab_size, prompt)
@@ -154,7 +155,7 @@ class Engine:
 
     def discard_warmup(self) -> None:
         """Forget the prompt states kept for the first round (it is not this engine's)."""
-        self._context = None
+        self._warmup = None
 
     @torch.inference_mode()
     def round(
@@ -164,24 +165,24 @@ class Engine:
         keep_drafting: Callable[[float], bool],
         collect: bool = False,
         level: int = 0,
-        context: list[int] | None = None,
+        context_drafts: list[int] | None = None,
         then: Callable[[list[int], bool], list[int]] | None = None,
     ) -> Round:
-        """Run one round and commit its tokens: the `context` draft tokens (if any), then up to
+        """Run one round and commit its tokens: the `context_drafts` tokens (if any), then up to
         `draft_cap` drafts from layer `exit_layer` with the exit head's vocabulary `level`.
         After each of these, `then(drafts so far, whether the layer's drafting ends there)`
         may give context tokens to draft next (up to an end of sequence), which end the
         layer's drafting. No draft at all is a plain full step."""
         pos = len(self.tokens) - 1
-        context = through_eos(context or [], self.eos)
-        if context and context[-1] in self.eos:
+        context_drafts = through_eos(context_drafts or [], self.eos)
+        if context_drafts and context_drafts[-1] in self.eos:
             draft_cap = 0  # nothing is drafted past an end of sequence
         if draft_cap < 1 or not 0 < exit_layer <= self.model.num_layers:
             exit_layer, draft_cap, level = 0, 0, 0
         t0 = time.perf_counter()
-        draft = self._context_draft(context)
+        draft = self._context_draft(context_drafts)
         if self.grammar is not None:  # the context tokens are ones it accepts (`Decoding`)
-            self.grammar.push(context)
+            self.grammar.push(context_drafts)
         after = self._draft(draft, pos, exit_layer, draft_cap, keep_drafting, collect, level, then)
         if self.grammar is not None:
             self.grammar.pop()
@@ -206,31 +207,31 @@ class Engine:
             targets,
             hidden,
             level=level,
-            from_context=len(context),
+            from_context=len(context_drafts),
             context_after=after,
         )
         record.draft_s, record.verify_s = t1 - t0, t2 - t1
         record.logits = logits
-        if self._context is not None:
-            context_hidden, context_targets = self._context
-            self._context = None
+        if self._warmup is not None:
+            warmup_hidden, warmup_targets = self._warmup
+            self._warmup = None
             if collect:
-                record.hidden = torch.cat([context_hidden, hidden], 1)
-                record.targets = torch.cat([context_targets, targets])
-                record.context = context_hidden.shape[1]
+                record.hidden = torch.cat([warmup_hidden, hidden], 1)
+                record.targets = torch.cat([warmup_targets, targets])
+                record.warmup_rows = warmup_hidden.shape[1]
         return record
 
-    def settle(self, context: list[int], logits: Tensor) -> Round:
+    def settle(self, context_drafts: list[int], logits: Tensor) -> Round:
         """Verify and commit a round computed outside (a batched step): `logits` are the full
-        head's after the newest token and after each of the `context` draft tokens (which end
+        head's after the newest token and after each of the `context_drafts` tokens (which end
         at an end of sequence, if they hold one). The same acceptance as `round`'s."""
         position = len(self.tokens) - 1
-        draft = self._context_draft(context)
+        draft = self._context_draft(context_drafts)
         targets, accepted, next_token = self._accept(logits, draft)
-        committed = [*context[:accepted], next_token]
+        committed = [*context_drafts[:accepted], next_token]
         self.commit(committed)
-        record = Round(position, 0, context, draft.confidences, accepted, committed, targets)
-        record.from_context, record.logits = len(context), logits
+        record = Round(position, 0, context_drafts, draft.confidences, accepted, committed, targets)
+        record.from_context, record.logits = len(context_drafts), logits
         return record
 
     def _context_draft(self, tokens: list[int]) -> _Draft:

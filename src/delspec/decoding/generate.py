@@ -1,7 +1,8 @@
 """Public generation API: a prompt in, a `Result` (text, token ids, stats, optional trace) out.
 
-`decode_tokens` (`delspec.decoding.sequence`) is the token-level loop (policy + engine);
-`generate` adds tokenisation, chat templates, streaming text, and stop strings on top of it.
+A `Decoding` (`delspec.decoding.sequence`, assembled by a `ResolvedConfig`) is the token-level
+loop (policy + engine); `TextDecoding` and `generate` add tokenisation, chat templates, streaming
+text, and stop strings on top of it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from delspec.decode_config import DecodeConfig
-from delspec.decoding.grammar import Constraint, Grammar
+from delspec.decoding.grammar import Grammar
+from delspec.decoding.prefix import Held
+from delspec.decoding.run import ResolvedConfig, resolve
 from delspec.decoding.sampling import Sampling
-from delspec.decoding.sequence import Decoding, Stats, TokenLogprob
-from delspec.drafting.draft_head import draft_head
+from delspec.decoding.sequence import Stats, TokenLogprob
 from delspec.drafting.draft_pool import DraftPool
 from delspec.errors import ConfigError, is_integer
-from delspec.policies import make_policy
 
 if TYPE_CHECKING:
     from delspec.decoding.session import Session
@@ -224,41 +225,40 @@ class TextDecoding:
     """A `Decoding` whose tokens become text as they come: `advance` (one round of its own) and
     `take` (tokens a batched step committed) return the text pieces that are final, as
     (text, kind) with kind "draft" for accepted drafts and "target" for the full model's
-    tokens; a stop string ends it. `finish` returns the rest of the text and the `Result`."""
+    tokens; a stop string ends it. `finish` returns the rest of the text and the `Result`.
+
+    `run` (a `ResolvedConfig`) assembles the `Decoding` of `prompt_ids` from the `options` of
+    `ResolvedConfig.decoding`; `decoding` is it, for what runs several together
+    (`delspec.decoding.batch`, `delspec.decoding.prefill`)."""
 
     def __init__(
-        self,
-        lm: LoadedModel,
-        prompt_ids: list[int],
-        config: DecodeConfig,
-        *,
-        sampling: Sampling | None = None,
-        max_new_tokens: int = 128,
-        stop: Sequence[str] = (),
-        trace: bool = False,
-        slot: int = 0,
-        logprobs: int | None = None,
-        grammar: Grammar | None = None,
-        draft_pool: DraftPool | None = None,
+        self, run: ResolvedConfig, prompt_ids: list[int], stop: Sequence[str] = (), **options: Any
     ) -> None:
-        policy = make_policy(config, lm.model.num_layers)
-        constraint = None if grammar is None else Constraint(lm, grammar)
-        self.strategy = policy.name
-        self.decoding = Decoding(
-            lm.model,
-            prompt_ids,
-            policy,
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=lm.eos_token_ids,
-            exit_head=draft_head(lm, config),
-            trace=trace,
-            slot=slot,
-            logprobs=logprobs,
-            constraint=constraint,
-            pool=draft_pool,
-        )
-        self.stream = TextStream(lm.tokenizer, prompt_ids, checked_stop(stop))
+        self.strategy = run.strategy
+        self.decoding = run.decoding(prompt_ids, **options)
+        self.stream = TextStream(run.lm.tokenizer, prompt_ids, checked_stop(stop))
+
+    @property
+    def slot(self) -> int:
+        """The model's KV cache slot the sequence runs on."""
+        return self.decoding.slot
+
+    @property
+    def done(self) -> bool:
+        """Whether the sequence has ended (its text may still hold pieces: `finish`)."""
+        return self.decoding.done
+
+    def start(self, cached: int = 0) -> None:
+        """Prefill the prompt but for its first `cached` positions (`Decoding.start`)."""
+        self.decoding.start(cached)
+
+    def stop(self, reason: str = "stop") -> None:
+        """End the sequence here: "stop", or "cancelled" (its caller)."""
+        self.decoding.stop(reason)
+
+    def held(self, written: int | None = None) -> Held:
+        """What its cache slot holds (`Decoding.held`)."""
+        return self.decoding.held(written)
 
     def advance(self) -> list[tuple[str, str]]:
         return self.take(*self.decoding.advance())
@@ -324,11 +324,10 @@ def generate(
     """
     sampling = checked_sampling(sampling, options)
     sampling.check_vocabulary(lm.model.config.vocab_size)
-    config = (config or DecodeConfig()).updated(**options)
+    run = resolve((config or DecodeConfig()).updated(**options), lm)
     text = TextDecoding(
-        lm,
+        run,
         encode_prompt(lm, prompt, chat),
-        config,
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         stop=stop,
@@ -351,10 +350,10 @@ def _decode_text(
 ) -> Result:
     """Start `text` (its slot holding the first `cached` prompt positions already) and run it
     to its end, its text to `emit`."""
-    text.decoding.start(cached)
-    while not text.decoding.done:
+    text.start(cached)
+    while not text.done:
         if should_stop is not None and should_stop():
-            text.decoding.stop("cancelled")
+            text.stop("cancelled")
             break
         for piece, kind in text.advance():
             emit(piece, kind)

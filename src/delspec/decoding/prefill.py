@@ -35,9 +35,7 @@ class Prefill:
     def __init__(self, decoding: Decoding, cached: int = 0) -> None:
         self.decoding = decoding
         with torch.inference_mode():  # the cache slots are the engines' (made in inference mode)
-            decoding.engine.begin(decoding.prompt, decoding.capacity)
-        decoding.prefill_s = 0.0
-        decoding.cached_tokens = cached
+            decoding.begin(cached)
         self.done_rows = cached
 
     @property
@@ -114,7 +112,7 @@ def _run_prompt_rows(model: Transformer, part: list[tuple[Prefill, int]], tiles:
         first = prefill.done_rows
         ids += prefill.decoding.prompt[first : first + rows]
         positions += range(first, first + rows)
-        slots += [prefill.decoding.engine.slot] * rows
+        slots += [prefill.decoding.slot] * rows
     states = model.embed(ids)
     model.run_rows(states, positions, slots, 0, model.num_layers, tiles=tiles)
     synchronize(model.device)

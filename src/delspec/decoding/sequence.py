@@ -1,8 +1,9 @@
-"""Sequences being decoded, one at a time (`decode_tokens`; several together: `batch`).
+"""Sequences being decoded, one at a time (several together: `batch`).
 
 A `Decoding` is one sequence in progress: its engine on a slot of the model's KV cache, its
 policy, and its statistics. `advance` runs one round the policy plans (drafts and all);
-`commit` takes a round verified in a batched pass (`batch.step_together`).
+`commit` takes a round verified in a batched pass (`batch.step_together`); `run` is the whole
+token loop. A config's runs are assembled by `delspec.decoding.run.ResolvedConfig.decoding`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from delspec.decoding.engine import Engine, through_eos
 from delspec.decoding.grammar import Constraint
+from delspec.decoding.prefix import Held
 from delspec.decoding.sampling import Sampling
 from delspec.drafting.context_drafts import NO_PROPOSAL, POOL
 from delspec.drafting.draft_pool import DraftPool
@@ -136,6 +138,16 @@ class Decoding:
         return self.engine.model
 
     @property
+    def tokens(self) -> list[int]:
+        """The sequence so far: the prompt and the tokens committed after it."""
+        return self.engine.tokens
+
+    @property
+    def slot(self) -> int:
+        """The model's KV cache slot the sequence runs on."""
+        return self.engine.slot
+
+    @property
     def generated(self) -> int:
         return len(self.engine.tokens) - len(self.prompt)
 
@@ -160,6 +172,13 @@ class Decoding:
         synchronize(self.model.device)
         self.prefill_s = time.perf_counter() - t0
 
+    def begin(self, cached: int = 0) -> None:
+        """Start the sequence without prefilling it: its caller runs the prompt's rows through
+        the layers (`delspec.decoding.prefill`); its slot holds the first `cached` already."""
+        self.engine.begin(self.prompt, self.capacity)
+        self.prefill_s = 0.0
+        self.cached_tokens = cached
+
     @property
     def draft_room(self) -> int:
         """How many draft tokens the next round may verify: within the budget and the cache."""
@@ -174,11 +193,11 @@ class Decoding:
         if self.policy.context_ngrams is not None:
             proposal = self.engine.propose(limit)
         tokens = through_eos(proposal.tokens, self.eos)
-        kept = self._grammar_context(tokens, limit)
+        kept = self._under_grammar(tokens, limit)
         self.pool_offered = _common_prefix(kept, tokens) if proposal.source == POOL else 0
         return kept
 
-    def _grammar_context(self, tokens: list[int], limit: int) -> list[int]:
+    def _under_grammar(self, tokens: list[int], limit: int) -> list[int]:
         """Context draft `tokens` under the grammar (unchanged without one): cut at the first
         one it rejects; when none is left, the tokens it forces (for a strategy that drafts),
         up to `limit` and the first end of sequence."""
@@ -198,17 +217,19 @@ class Decoding:
         budget = self.draft_room
         proposal = engine.propose(min(budget, policy.context_limit))
         plan = policy.plan(proposal)
-        context = self._grammar_context(list(plan.context[:budget]), budget)
-        cap = min(plan.draft_cap, budget - len(context))
+        context_drafts = self._under_grammar(list(plan.context_drafts[:budget]), budget)
+        cap = min(plan.draft_cap, budget - len(context_drafts))
         # (after how many drafts, how many) draft tokens came from the pool (not the grammar)
-        pooled = [0, _common_prefix(context, plan.context) if proposal.source == POOL else 0]
+        from_pool = _common_prefix(context_drafts, plan.context_drafts)
+        pooled = [0, from_pool if proposal.source == POOL else 0]
         then = None
         if policy.context_ngrams is not None:
 
             def then(drafted: list[int], last: bool) -> list[int]:
                 limit = min(budget - len(drafted), policy.context_limit)
                 proposal = engine.propose(limit, drafted)
-                taken = policy.follow(proposal, len(drafted) - len(context), last)[:limit]
+                layer_drafts = len(drafted) - len(context_drafts)
+                taken = policy.follow(proposal, layer_drafts, last)[:limit]
                 if taken and proposal.source == POOL:
                     pooled[:] = [len(drafted), len(taken)]
                 return taken
@@ -219,7 +240,7 @@ class Decoding:
             policy.keep_drafting,
             policy.collect_hidden,
             plan.level,
-            context,
+            context_drafts,
             then,
         )
         t_obs = time.perf_counter()
@@ -231,15 +252,17 @@ class Decoding:
         self.decode_s += time.perf_counter() - t0
         return tokens, min(record.accepted, len(tokens))
 
-    def commit(self, context: list[int], logits: Tensor, seconds: float) -> tuple[list[int], int]:
+    def commit(
+        self, context_drafts: list[int], logits: Tensor, seconds: float
+    ) -> tuple[list[int], int]:
         """Settle a round computed outside (`step_together`, which took `seconds`): the full
-        model's `logits` after the newest token and each `context` draft token. Returns the
-        committed tokens (up to EOS) and how many of them were accepted drafts."""
-        record = self.engine.settle(context, logits)
+        model's `logits` after the newest token and each of the `context_drafts` tokens. Returns
+        the committed tokens (up to EOS) and how many of them were accepted drafts."""
+        record = self.engine.settle(context_drafts, logits)
         self.engine.discard_warmup()
         record.verify_s = seconds
         self.totals.add(record, 0.0)
-        self.totals.pooled(record.accepted, 0, min(len(context), self.pool_offered))
+        self.totals.pooled(record.accepted, 0, min(len(context_drafts), self.pool_offered))
         self.pool_offered = 0
         self.decode_s += seconds
         tokens = self._committed(record)
@@ -265,6 +288,24 @@ class Decoding:
         """End the sequence here: "stop" (a stop string), or "cancelled" (its caller)."""
         self.finish_reason = reason
 
+    def held(self, written: int | None = None) -> Held:
+        """What the sequence's cache slot holds once its first `written` positions are cached
+        (None: every position but the newest token's, which no pass has run yet)."""
+        tokens = self.engine.tokens
+        written = len(tokens) - 1 if written is None else written
+        return Held.of(self.prompt, tokens, written, self.model)
+
+    def run(self, on_round: OnRound | None = None) -> Decoded:
+        """Start, then advance to the end: an EOS token, the budget or the model's context, or
+        `on_round(tokens, accepted_drafts)` returning False after a round. Greedy output equals
+        plain autoregressive greedy output; sampled output follows the same distribution."""
+        self.start()
+        while not self.done:
+            tokens, accepted = self.advance()
+            if on_round is not None and not on_round(tokens, accepted):
+                self.stop()
+        return self.finish()
+
     def finish(self) -> Decoded:
         """What the sequence decoded, with its statistics (its policy `finish`ed, in the decode
         time)."""
@@ -278,42 +319,6 @@ class Decoding:
             self.engine.pool.add(self.prompt, new)
         logprobs = None if self.logprobs is None else self.logprobs[: len(new)]
         return Decoded(new, self.finish_reason or "length", stats, self.rounds, logprobs)
-
-
-def decode_tokens(
-    model: Transformer,
-    prompt_ids: Sequence[int],
-    policy: Policy,
-    *,
-    sampling: Sampling | None = None,
-    max_new_tokens: int = 128,
-    eos_token_ids: Sequence[int] = (),
-    exit_head: ExitHead | None = None,
-    on_round: OnRound | None = None,
-    trace: bool = False,
-) -> Decoded:
-    """Generate up to `max_new_tokens` after `prompt_ids` with `policy` deciding every round.
-
-    Stops after an EOS token, at the budget or the model's context, or when `on_round(tokens,
-    accepted_drafts)` returns False. Greedy output equals plain autoregressive greedy output;
-    sampled output follows the same distribution.
-    """
-    decoding = Decoding(
-        model,
-        prompt_ids,
-        policy,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids,
-        exit_head=exit_head,
-        trace=trace,
-    )
-    decoding.start()
-    while not decoding.done:
-        tokens, accepted = decoding.advance()
-        if on_round is not None and not on_round(tokens, accepted):
-            decoding.stop()
-    return decoding.finish()
 
 
 class _Totals:
@@ -413,16 +418,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     )
 
 
-def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context: int) -> list[int]:
+def _checked_prompt(prompt_ids: Sequence[int], max_new_tokens: int, max_position: int) -> list[int]:
     """`prompt_ids` as a list; `ConfigError` or `ContextLengthError` when there is nothing to
-    generate from or no room in the model's `context`."""
+    generate from or no room in the model's `max_position` positions (its context)."""
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompt = list(prompt_ids)
     if not prompt:
         raise ConfigError("the prompt is empty")
-    if len(prompt) >= context:
+    if len(prompt) >= max_position:
         raise ContextLengthError(
-            f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
+            f"the prompt has {len(prompt)} tokens but the model's context is {max_position} tokens"
         )
     return prompt

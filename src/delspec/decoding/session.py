@@ -79,8 +79,7 @@ class Session:
         with model.swapped_cache(cache):
             yield cached
             self._cache = model.cache
-        tokens = decoding.engine.tokens
-        self.held = Held.of(decoding.prompt, tokens, len(tokens) - 1, model)
+        self.held = decoding.held()
 
     def _cache_for(self, decoding: Decoding, cached: int) -> Tensor:
         """A cache of one sequence of at least `decoding.capacity` positions (in inference mode,

@@ -1,6 +1,7 @@
 """The draft head: an exit head with exit adapters and/or pruned draft vocabularies.
 
-`draft_head` builds the head a `DecodeConfig` drafts with. Only drafts and DEL's shadow tokens
+`draft_spec` checks what a `DecodeConfig` drafts with against a model, `build_draft_head` builds
+that head (`draft_head`: both). Only drafts and DEL's shadow tokens
 go through it: verification always runs the model's own full head, so output is unchanged
 (lossless).
 """
@@ -11,6 +12,7 @@ import copy
 import functools
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,7 @@ from torch import Tensor
 from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.drafting.adapters import ExitAdapters, adapt, check_model, find_adapters, load_adapters
 from delspec.drafting.draft_vocab import draft_vocabularies, fallback_ranking, vocabulary_sizes
-from delspec.drafting.exit_head import ExitHead
+from delspec.drafting.exit_head import ExitHead, int8_drafts
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.model.transformer import Transformer
@@ -205,17 +207,25 @@ def default_int8_draft(strategy: str, device: torch.device) -> bool:
     return strategy == "del-fast" and int8_supported(device)
 
 
-def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
-    """The exit head `config` drafts with (`config.draft`, see `DraftConfig`).
+@dataclass(frozen=True)
+class DraftSpec:
+    """What a draft head is built from, checked against its model (`draft_spec`)."""
+
+    adapters: ExitAdapters | None  # adapters given as an object
+    stamp: tuple[str, int, int] | None  # an adapters file: its resolved path, size, mtime
+    sizes: tuple[int | None, ...] | None  # draft vocabulary sizes (`vocabulary_sizes`)
+    context_vocab: bool
+    int8: bool
+
+
+def draft_spec(lm: LoadedModel, config: DecodeConfig) -> DraftSpec:
+    """What `config.draft` (see `DraftConfig`) drafts with on `lm`, checked: `ConfigError` for a
+    draft vocabulary outside the model's or int8 drafts the device cannot run,
+    `ModelFormatError` for adapters made for another model or a file that cannot be read.
 
     Adapters "auto" are the model's sidecar file if there is one (see `default_adapters_path`).
-    A draft vocabulary of K keeps the K highest-ranked tokens (the adapters file's ranking, else
-    `fallback_ranking`), plus each sequence's own tokens with `context_vocab`; a list of sizes
-    gives one draft vocabulary per size, for a cost-aware policy to choose from per round.
     "auto" draft vocabularies and int8 drafts are what `config.strategy` drafts with by default
-    (`default_draft_vocab`, `default_int8_draft`). Without adapters or a draft vocabulary, the
-    plain `ExitHead`. Heads built from files are cached (keyed by the file's path, size and
-    modification time).
+    (`default_draft_vocab`, `default_int8_draft`).
     """
     draft, strategy = config.draft, config.strategy
     vocab_size = lm.model.config.vocab_size
@@ -226,19 +236,16 @@ def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
     int8 = draft.int8_draft
     if int8 == "auto":
         int8 = default_int8_draft(strategy, lm.model.device)
-    adapters, context_vocab = draft.adapters, draft.context_vocab
+    int8 = int8_drafts(lm.model, bool(int8))
+    adapters = draft.adapters
     if isinstance(adapters, ExitAdapters):
         check_model(adapters, lm.model)
-        return DraftHead(
-            lm.model, adapters, draft_vocabularies(adapters.ranking, sizes), context_vocab, int8
-        )
+        return DraftSpec(adapters, None, sizes, draft.context_vocab, int8)
     path = None
     if adapters == "auto":
         path = find_adapters(lm)
     elif adapters is not None:
         path = Path(adapters)
-    if path is None and sizes is None:
-        return ExitHead(lm.model, int8)
     stamp = None
     if path is not None:
         try:
@@ -246,7 +253,28 @@ def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
         except OSError as exc:
             raise ModelFormatError(f"cannot read adapters file {path}: {exc}") from exc
         stamp = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    return _cached_head(lm.model, lm.source, stamp, sizes, context_vocab, int8)
+    return DraftSpec(None, stamp, sizes, draft.context_vocab, int8)
+
+
+def build_draft_head(lm: LoadedModel, spec: DraftSpec) -> ExitHead:
+    """The exit head of `spec`. A draft vocabulary of K keeps the K highest-ranked tokens (the
+    adapters' ranking, else `fallback_ranking`), plus each sequence's own tokens with
+    `context_vocab`; several sizes give one draft vocabulary per size, for a cost-aware policy
+    to choose from per round. Without adapters or a draft vocabulary, the plain `ExitHead`.
+    Heads built from files are cached (keyed by the file's path, size and modification time).
+    """
+    adapters, sizes = spec.adapters, spec.sizes
+    if adapters is not None:
+        vocab = draft_vocabularies(adapters.ranking, sizes)
+        return DraftHead(lm.model, adapters, vocab, spec.context_vocab, spec.int8)
+    if spec.stamp is None and sizes is None:
+        return ExitHead(lm.model, spec.int8)
+    return _cached_head(lm.model, lm.source, spec.stamp, sizes, spec.context_vocab, spec.int8)
+
+
+def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
+    """The exit head `config` drafts with on `lm` (`draft_spec`, then `build_draft_head`)."""
+    return build_draft_head(lm, draft_spec(lm, config))
 
 
 @functools.lru_cache(maxsize=4)  # holds up to four models alive

@@ -11,6 +11,19 @@ from delspec.kernels.products import Int8Weight, int8_supported
 from delspec.model.transformer import Transformer
 
 
+def int8_drafts(model: Transformer, int8: bool) -> bool:
+    """Whether drafts on `model` run on int8 weight copies when `int8` asks for them: a float
+    model's do (a model held in quantised weights drafts on those); `ConfigError` where the
+    device cannot run them."""
+    int8 = int8 and model.weights == "float"
+    if int8 and not int8_supported(model.device):
+        raise ConfigError(
+            f"int8 drafts are not supported on {model.device} by this torch build; "
+            "draft in full precision (int8_draft=False, --int8-draft off)"
+        )
+    return int8
+
+
 class ExitHead:
     """How drafts are made: logits of an early exit (final norm + LM head over a vocabulary, all
     rows by default), and whether drafts run on int8 weights.
@@ -27,13 +40,8 @@ class ExitHead:
         copy is then made now rather than in the first round). A model held in quantised
         weights (`Transformer.weights`) drafts on them: `int8` is then ignored."""
         self.model = model
-        self.int8 = int8 = int8 and model.weights == "float"
+        self.int8 = int8 = int8_drafts(model, int8)
         if int8:
-            if not int8_supported(model.device):
-                raise ConfigError(
-                    f"int8 drafts are not supported on {model.device} by this torch build; "
-                    "draft in full precision (int8_draft=False, --int8-draft off)"
-                )
             model.make_int8_copies()
             if full_head:
                 model.lm_head.int8_weight()

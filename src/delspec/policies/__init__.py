@@ -16,7 +16,7 @@ from delspec.decode_config import (
     StaticOptions,
 )
 from delspec.policies.dynamic_exit import DynamicExit
-from delspec.policies.fast_dynamic_exit import FastDynamicExit, uses_fast_additions
+from delspec.policies.fast_dynamic_exit import FastDynamicExit
 from delspec.policies.fixed import (
     Autoregressive,
     ContextLookup,
@@ -29,7 +29,7 @@ from delspec.policies.protocol import Plan, Policy
 
 def _dynamic_exit(num_layers: int, options: DELOptions) -> DynamicExit:
     """The paper's DEL, or `FastDynamicExit` when `options` turn on any of its additions."""
-    policy = FastDynamicExit if uses_fast_additions(options) else DynamicExit
+    policy = FastDynamicExit if options.uses_fast_additions else DynamicExit
     return policy(num_layers, options)
 
 

@@ -16,7 +16,6 @@ from torch import Tensor
 from delspec.decode_config import DELOptions
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
-from delspec.errors import ConfigError
 from delspec.kernels.scores import top_logsumexp
 from delspec.policies.cost_model import LayerCost
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
@@ -66,11 +65,8 @@ class DynamicExit(Policy):
 
     def __init__(self, num_layers: int, options: DELOptions) -> None:
         super().__init__(num_layers)
-        layers = options.candidates if options.candidates is not None else range(1, num_layers)
-        if not layers:
-            raise ConfigError("DEL needs at least one candidate exit layer")
         # `start` adds layer L to the default candidates when the head drafts it cheaply.
-        self.base_candidates = [self.check_exit_layer(e) for e in sorted(set(layers))]
+        self.base_candidates = options.exit_layers(num_layers)
         self.may_add_final_layer = options.candidates is None
         self.omega, self.draft_cap = options.omega, options.draft_cap
         self.warmup_window, self.dynamic_draft = options.warmup, options.dynamic_draft
@@ -141,12 +137,12 @@ class DynamicExit(Policy):
         match = tokens == targets[None, :]
         valid = torch.ones(len(positions), dtype=torch.bool)
         if record.from_context or record.context_after:  # not all the exit layer's drafts:
-            valid[record.context + record.accepted + 1 :] = False  # up to the first reject
-        elif record.exit_layer in layers:  # u_r, after the teacher-forced context (never clipped)
+            valid[record.warmup_rows + record.accepted + 1 :] = False  # up to the first reject
+        elif record.exit_layer in layers:  # u_r, after the warm-up's rows (never clipped)
             row = layers.index(record.exit_layer)
-            misses = (~match[row, record.context :]).nonzero()
+            misses = (~match[row, record.warmup_rows :]).nonzero()
             if len(misses):
-                valid[record.context + int(misses[0]) + 1 :] = False
+                valid[record.warmup_rows + int(misses[0]) + 1 :] = False
         return ShadowTokens(layers, hidden, top, confidence, targets, match, valid)
 
     def _score(self, record: Round, rows: Tensor, positions: Tensor) -> None:

@@ -1,6 +1,6 @@
 """What `del-fast` adds to the paper's DEL: measured costs, budgets, and per-round choices.
 `FastDynamicExit` runs every `DELOptions` that turns on one of these additions
-(`uses_fast_additions`); the others run the paper's `DynamicExit` unchanged."""
+(`DELOptions.uses_fast_additions`); the others run the paper's `DynamicExit` unchanged."""
 
 from __future__ import annotations
 
@@ -31,21 +31,6 @@ MIN_BELOW = 3.0  # (decayed) drafts under the threshold seen before their accept
 # pass, and applied one round at a time they put a reply without drafts visibly behind `ar`;
 # the plan sees those updates at most this many rounds late.
 HELD_BATCH = 16
-
-
-def uses_fast_additions(options: DELOptions) -> bool:
-    """Whether `options` turn on anything beyond the paper's DEL (see `FastDynamicExit`)."""
-    return bool(
-        options.cost != "layers"
-        or options.no_draft
-        or options.shadow_budget is not None
-        or options.runs
-        or options.min_evidence
-        or options.prior
-        or options.margin
-        or options.context_drafts
-        or options.remember
-    )
 
 
 class FastDynamicExit(ShadowScoring, DynamicExit):
@@ -114,8 +99,8 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
       head's restricted to a vocabulary, there is no stop under tau (`keep_drafting`).
     - The updates of a round without exit-layer drafts (a plain step, or context drafts alone;
       past the warm-up, unscored, no recheck due after it) wait, and `HELD_BATCH` of them are
-      applied together, in order, as each would have been (the final layer's counts in one
-      update); `finish` applies what is left at the end.
+      applied together (`apply_held`), in order, as each would have been (the final layer's
+      counts in one update); `finish` applies what is left at the end.
     - `remember=True`: a generation starts from what the previous one with the same model, draft
       head and options learned (`Learned`: the statistics of every layer and of the context
       drafts, the realized speeds, the measured cost with its corrections), instead of a
@@ -248,7 +233,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
             tokens_per_s = expected / cost.plain_seconds(k + 1)
             if tokens_per_s > value:
                 best, value, best_expected = k, tokens_per_s, expected
-        choice = Plan(0, 0, context=tuple(tokens[:best]))
+        choice = Plan(0, 0, context_drafts=tuple(tokens[:best]))
         if layer_plan.draft_cap and self.layer_tokens:  # that prefix, then exit-layer drafts
             all_accepted = first * then ** (best - 1) if best else 1.0
             row, level = (layer_plan.exit_layer,), (layer_plan.level,)
@@ -260,7 +245,9 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
                 mixed = (best_expected + all_accepted * (layer_tokens - 1.0)) / round_s
                 if length and mixed > value:
                     value, cap = mixed, min(length, layer_plan.draft_cap)
-                    choice = Plan(layer_plan.exit_layer, cap, layer_plan.level, choice.context)
+                    choice = Plan(
+                        layer_plan.exit_layer, cap, layer_plan.level, choice.context_drafts
+                    )
         return choice if value > self._floor(layer_plan) else layer_plan
 
     def follow(self, proposal: ContextProposal, layer_drafts: int, last: bool) -> list[int]:
@@ -276,7 +263,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         if (
             not proposal.tokens
             or self.in_warmup
-            or plan.context
+            or plan.context_drafts
             or not layer_tokens
             or not isinstance(self.cost, MeasuredCost)
             or layer_drafts - 1 not in column
@@ -321,7 +308,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         if self._may_hold(record):
             self._hold(record)
             return
-        self.finish()  # the rounds held back come first
+        self.apply_held()  # the rounds held back come first
         start = time.perf_counter()
         in_warmup = self.in_warmup
         if isinstance(self.cost, MeasuredCost):  # issue 29: heal a profile timed under load
@@ -385,11 +372,16 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         self.recheck_in -= 1
         self.held_seconds += time.perf_counter() - start
         if len(self.held) == HELD_BATCH:
-            self.finish()
+            self.apply_held()
         self.collect_hidden = self._will_score_next()
         self._annotate(record, time.perf_counter() - start, 0)
 
     def finish(self) -> None:
+        """The sequence ended: what its last rounds held back is applied (`apply_held`), so
+        that what the next sequence carries (`Learned`) includes them."""
+        self.apply_held()
+
+    def apply_held(self) -> None:
         """Apply the updates of the rounds held back, in order: the cost check, the
         context's proposals they settle, the final layer's counts, the realized speeds (each
         round charged an equal share of the policy's time on them); then choose again if an

@@ -3,7 +3,14 @@ context lookup."""
 
 from __future__ import annotations
 
-from delspec.decode_config import DVOptions, FSOptions, LookupOptions, NoOptions, StaticOptions
+from delspec.decode_config import (
+    DVOptions,
+    FSOptions,
+    LookupOptions,
+    NoOptions,
+    StaticOptions,
+    exit_layer_for,
+)
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
 from delspec.policies.protocol import Plan, Policy, Round
@@ -29,7 +36,7 @@ class Static(Policy):
 
     def __init__(self, num_layers: int, options: StaticOptions) -> None:
         super().__init__(num_layers)
-        self.exit_layer = self.check_exit_layer(options.exit_layer)
+        self.exit_layer = exit_layer_for(options.exit_layer, num_layers)
         self.draft_length = options.draft_length
 
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
@@ -124,7 +131,7 @@ class ContextLookup(Policy):
         self.draft_length = self.initial
 
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:
-        return Plan(0, 0, context=tuple(proposal.tokens[: self.draft_length]))
+        return Plan(0, 0, context_drafts=tuple(proposal.tokens[: self.draft_length]))
 
     def observe(self, record: Round) -> None:
         if self.adaptive:

@@ -9,23 +9,22 @@ from torch import Tensor
 
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
-from delspec.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The next round: draft the `context` tokens (from the round's `ContextProposal`), then up
-    to `draft_cap` tokens with layers [0, exit_layer) and the exit head's draft vocabulary
+    """The next round: draft the `context_drafts` tokens (from the round's `ContextProposal`),
+    then up to `draft_cap` tokens with layers [0, exit_layer) and the exit head's draft vocabulary
     `level` (`ExitHead.vocabs`).
 
-    No draft at all (`draft_cap == 0`, no `context`) is a plain autoregressive step through the
-    full model.
+    No draft at all (`draft_cap == 0`, no `context_drafts`) is a plain autoregressive step
+    through the full model.
     """
 
     exit_layer: int
     draft_cap: int
     level: int = 0
-    context: tuple[int, ...] = ()
+    context_drafts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -38,9 +37,9 @@ class Round:
     confidences: list[float]  # exit-head probability of each drafted token
     accepted: int
     tokens: list[int]  # committed: accepted drafts + the target's token
-    targets: Tensor  # greedy target token after each of context + T + 1 positions
-    hidden: Tensor | None = None  # [layers, context + T + 1, hidden] when collected
-    context: int = 0  # leading teacher-forced prompt positions in `hidden`/`targets`
+    targets: Tensor  # greedy target token after each of warmup_rows + T + 1 positions
+    hidden: Tensor | None = None  # [layers, warmup_rows + T + 1, hidden] when collected
+    warmup_rows: int = 0  # leading prompt positions (DEL's warm-up) in `hidden`/`targets`
     level: int = 0  # the exit head's draft vocabulary (`ExitHead.vocabs`) the drafts came from
     from_context: int = 0  # leading drafted tokens that came from the context, not the exit
     context_after: int = 0  # trailing drafted tokens from the context, after the exit layer's
@@ -102,19 +101,10 @@ class Policy:
         return []
 
     def observe(self, record: Round) -> None:
-        """Update statistics from a finished round (now, or with later rounds': then `finish`
-        applies what waits); annotates `record.extra` where `traced`."""
+        """Update statistics from a finished round (now, or with later rounds': a policy that
+        holds updates back applies them by `finish` at the latest); annotates `record.extra`
+        where `traced`."""
 
     def finish(self) -> None:
-        """The sequence ended: apply any updates `observe` held back."""
-
-    def check_exit_layer(self, exit_layer: int | None) -> int:
-        """`exit_layer` (None: a quarter of the layers), checked against the model's depth."""
-        if exit_layer is None:
-            exit_layer = max(1, self.num_layers // 4)
-        if not 1 <= exit_layer <= self.num_layers:
-            raise ConfigError(
-                f"exit layer must be in 1..{self.num_layers} for a {self.num_layers}-layer "
-                f"model, got {exit_layer}"
-            )
-        return exit_layer
+        """The sequence ended (no more `plan` or `observe` until the next `start`): apply any
+        updates `observe` held back."""

@@ -37,9 +37,9 @@ class ShadowScoring:
         must = self._must_score()
         least = len(must) + 1  # + one rotating
         cells = int(self.credit / max(self.row_cost, 1e-9))  # (layer, position) pairs affordable
-        # Only the valid context can count: context + positions whose inputs were all accepted;
-        # of those, the first ones the least rows can afford (MIN_POSITIONS at least).
-        valid = record.context + record.accepted + 1
+        # Only the valid positions can count: the warm-up's and those whose inputs were all
+        # accepted; of those, the first ones the least rows can afford (MIN_POSITIONS at least).
+        valid = record.warmup_rows + record.accepted + 1
         positions = everything[: min(valid, max(cells // least, MIN_POSITIONS))]
         count = min(len(self.candidates), max(cells // len(positions), least))
         chosen = dict.fromkeys(must)
@@ -60,7 +60,7 @@ class ShadowScoring:
         inputs were all accepted (`ExitHead.held`, as the head stood at `admission`: by default
         now): where the final layer drafts exactly the target
         (`ExitHead.final_layer_is_full_head`)."""
-        start = record.context
+        start = record.warmup_rows
         targets = record.targets.tolist()[start : start + record.accepted + 1]
         return self.exit_head.held(targets, admission)
 

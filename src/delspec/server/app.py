@@ -17,11 +17,10 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from delspec.decode_config import DecodeConfig
+from delspec.decoding.run import ResolvedConfig, resolve
 from delspec.drafting.batch_drafts import BatchDrafts
-from delspec.drafting.draft_head import draft_head
 from delspec.errors import ConfigError, DelspecError, is_integer
 from delspec.machine.batching import measured_attention_span, measured_batch_seconds, paying_batch
-from delspec.policies import make_policy
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
     APIError,
@@ -80,7 +79,7 @@ def create_app(
     `DEFAULT_PROMPT_CACHE_MB`; 0 keeps none). All requests share one pool of context drafts: the
     newest `draft_pool_tokens` tokens of replies (`DEFAULT_DRAFT_POOL_TOKENS`; 0: none).
     Raises `ConfigError` for invalid settings."""
-    config, context, queue_timeout = check_options(
+    run, context, queue_timeout = check_options(
         lm,
         config,
         max_queue,
@@ -95,7 +94,7 @@ def create_app(
     )
     # the decoding's cost profile read, or measured thoroughly, now: inside the first request
     # it would hold that request and every one queued behind it
-    policy, head = make_policy(config, lm.model.num_layers), draft_head(lm, config)
+    policy, head = run.new_policy(), run.draft_head
     policy.measure_costs(head)
     policy.start(head)
     # a batched step's seconds by row count: what batches and their context drafts cost here
@@ -111,7 +110,7 @@ def create_app(
     cache_mb = DEFAULT_PROMPT_CACHE_MB if prompt_cache_mb is None else prompt_cache_mb
     pool = DEFAULT_DRAFT_POOL_TOKENS if draft_pool_tokens is None else draft_pool_tokens
     worker = Worker(lm, max_queue, metrics, max_batch, context, chunk, span, drafts, cache_mb, pool)
-    service = Service(lm, config, worker, names, request_timeout, queue_timeout)
+    service = Service(lm, run, worker, names, request_timeout, queue_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -140,12 +139,11 @@ def check_options(
     prefill_chunk: int | None = None,
     prompt_cache_mb: float | None = None,
     draft_pool_tokens: int | None = None,
-) -> tuple[DecodeConfig, int, float]:
+) -> tuple[ResolvedConfig, int, float]:
     """`create_app`'s settings checked (`ConfigError` for the first bad one) and completed:
-    the config, the context and the queue timeout, defaults filled in."""
-    config = config or DecodeConfig()
-    make_policy(config, lm.model.num_layers)  # fail now, not at the first request:
-    draft_head(lm, config)  # a bad option or adapters file
+    the config resolved against `lm`, the context and the queue timeout, defaults filled in."""
+    run = resolve(config or DecodeConfig(), lm)
+    _ = run.draft_head  # built now: an adapters file that cannot be used fails here, not later
     if max_queue < 0:
         raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
     if max_batch is not None and max_batch < 1:
@@ -173,7 +171,7 @@ def check_options(
     context = min(limit, DEFAULT_CONTEXT) if context is None else context
     if not 2 <= context <= limit:
         raise ConfigError(f"context must be 2..{limit} (the model's), got {context}")
-    return config, context, queue_timeout
+    return run, context, queue_timeout
 
 
 class BodyLimit:

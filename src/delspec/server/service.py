@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from delspec.decode_config import DecodeConfig
 from delspec.decoding.generate import Prompt, encode_prompt
 from delspec.decoding.grammar import Grammar
+from delspec.decoding.run import ResolvedConfig, resolve
 from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
-from delspec.policies import make_policy
 from delspec.server.openai_types import Tool
 from delspec.server.protocol import (
     APIError,
@@ -50,26 +49,27 @@ class _ClientGone(Exception):
 
 
 class Service:
-    """The request handling behind the routes: validation, queueing, waiting, replying."""
+    """The request handling behind the routes: validation, queueing, waiting, replying.
+    `run`: the server's decoding config, resolved, which a request's `delspec` options update."""
 
     def __init__(
         self,
         lm: LoadedModel,
-        config: DecodeConfig,
+        run: ResolvedConfig,
         worker: Worker,
         names: tuple[str, ...],
         request_timeout: float,
         queue_timeout: float,
     ) -> None:
-        self.lm, self.config, self.worker = lm, config, worker
+        self.lm, self.run, self.worker = lm, run, worker
         self.name, self.names = names[0], names
         self.request_timeout, self.queue_timeout = request_timeout, queue_timeout
-        self.context = worker.context  # positions a request may use: prompt and reply
+        self.slot_positions = worker.slot_positions  # a request's: its prompt and reply
         # A token never stands for more text than its longest vocabulary entry (4 times that,
         # for normalizers that drop characters): a text longer than the context holds in such
         # tokens is refused without the seconds of tokenizing it.
         longest = max(map(len, lm.tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = 4 * longest * self.context
+        self.max_prompt_chars = 4 * longest * self.slot_positions
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_common(body)
@@ -133,10 +133,10 @@ class Service:
                 param="n",
             )
 
-    def _decode_config(self, body: GenerationRequest) -> DecodeConfig:
-        """The server's config updated with the request's `delspec` options. Adapters files
-        are the server's to choose (`delspec serve --adapters`): a request may ask for "auto"
-        or "none" only."""
+    def _resolved(self, body: GenerationRequest) -> ResolvedConfig:
+        """The server's config updated with the request's `delspec` options, resolved (the
+        server's own when it has none). Adapters files are the server's to choose (`delspec
+        serve --adapters`): a request may ask for "auto" or "none" only."""
         options = body.delspec or {}
         if options.get("adapters", "auto") not in ("auto", "none", None):
             raise APIError(
@@ -145,12 +145,12 @@ class Service:
                 "server starts (delspec serve --adapters)",
                 param="delspec.adapters",
             )
+        if not options:
+            return self.run
         try:
-            config = self.config.updated(**options)
-            make_policy(config, self.lm.model.num_layers)
+            return resolve(self.run.config.updated(**options), self.lm)
         except ConfigError as exc:
             raise APIError(400, str(exc), param="delspec") from exc
-        return config
 
     async def _encode(
         self, prompt: Prompt, param: str, tools: list[dict] | None = None
@@ -166,7 +166,7 @@ class Service:
             raise APIError(
                 400,
                 f"{'the conversation' if param == 'messages' else 'the prompt'} has {chars} "
-                f"characters, more than a context of {self.context} tokens can hold",
+                f"characters, more than a context of {self.slot_positions} tokens can hold",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -180,10 +180,10 @@ class Service:
         and leaves room in the context."""
         if not prompt_ids:
             raise APIError(400, f"{name} is empty", param=param)
-        if len(prompt_ids) >= self.context:
+        if len(prompt_ids) >= self.slot_positions:
             raise APIError(
                 400,
-                f"{name} has {len(prompt_ids)} tokens but the context is {self.context} "
+                f"{name} has {len(prompt_ids)} tokens but the context is {self.slot_positions} "
                 "tokens (for a request's prompt and reply: the model's, or serve --context)",
                 param=param,
                 code="context_length_exceeded",
@@ -246,26 +246,26 @@ class Service:
         """Queue the generation `body` asks for (at most `limit` new tokens, which request
         field `limit_param` set; `logprobs` top tokens per token, or None); 429 when the queue
         is full."""
-        if limit is not None and len(prompt_ids) + limit > self.context:
+        if limit is not None and len(prompt_ids) + limit > self.slot_positions:
             raise APIError(
                 400,
                 f"{limit_param}={limit} after a prompt of {len(prompt_ids)} tokens is more than "
-                f"the {self.context} positions a request may use (delspec serve --context)",
+                f"the {self.slot_positions} positions a request may use (delspec serve --context)",
                 param=limit_param,
                 code="context_length_exceeded",
             )
-        config = self._decode_config(body)
+        run = self._resolved(body)
         sampling = request_sampling(body, self.lm.model.config.vocab_size)
         options = {
             "sampling": sampling,
-            "max_new_tokens": limit or self.context - len(prompt_ids),
+            "max_new_tokens": limit or self.slot_positions - len(prompt_ids),
             "stop": body.stop,
             "logprobs": logprobs,
             "grammar": grammar,
         }
         deadline = time.monotonic() + self.request_timeout
         loop = asyncio.get_running_loop()
-        job = Job(prompt_ids, config, options, body.stream, deadline, loop)
+        job = Job(prompt_ids, run, options, body.stream, deadline, loop)
         try:
             self.worker.submit(job)
         except QueueFull:

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from delspec.decode_config import DecodeConfig
 from delspec.decoding.batch import step_together
 from delspec.decoding.generate import TextDecoding
 from delspec.decoding.prefill import Prefill, prefill_chunk
 from delspec.decoding.prefix import EMPTY, Held
+from delspec.decoding.run import ResolvedConfig
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.drafting.context_drafts import POOL, SEQUENCE
 from delspec.drafting.draft_pool import DraftPool
@@ -57,15 +57,15 @@ DEFAULT_PREFILL_CHUNK = 128
 
 @dataclass(eq=False)
 class Job:
-    """One generation: the inputs of a `TextDecoding` (`config`, and `options`: sampling,
-    max_new_tokens, stop, logprobs) and the events it sends back.
+    """One generation: the inputs of a `TextDecoding` (`run`: the request's config resolved, and
+    `options`: sampling, max_new_tokens, stop, logprobs, grammar) and the events it sends back.
 
     Events, delivered to the request's event loop in order: ("start", None), then ("text",
     piece)... if `stream`, then ("done", Result) or ("error", exception).
     """
 
     prompt_ids: list[int]
-    config: DecodeConfig
+    run: ResolvedConfig
     options: dict[str, Any]
     stream: bool
     deadline: float  # time.monotonic() by which the generation must end
@@ -99,21 +99,19 @@ class _Running:
 
     @property
     def slot(self) -> int:
-        return self.text.decoding.engine.slot
+        return self.text.slot
 
     @property
     def held(self) -> Held:
         """What its slot holds now: the prompt rows prefilled so far, then the sequence's
         positions that are computed (all but its newest token)."""
-        decoding, prefill = self.text.decoding, self.prefill
-        tokens = decoding.engine.tokens
-        written = len(tokens) - 1 if prefill.finished else prefill.done_rows
-        return Held.of(decoding.prompt, tokens, written, decoding.model)
+        prefill = self.prefill
+        return self.text.held(None if prefill.finished else prefill.done_rows)
 
 
 class Worker:
     """Runs jobs on one background thread, up to `max_batch` at a time in arrival order, each
-    in a cache slot of `context` positions (prompt and reply), prompts prefilled
+    in a cache slot of `slot_positions` positions (prompt and reply), prompts prefilled
     `prefill_chunk` rows at a time, their prefixes reused from what the slots hold or from up
     to `prompt_cache_mb` MiB of prefixes evicted from them (`PromptCache`). Every job whose
     strategy drafts from its context shares one `DraftPool` of the newest `draft_pool_tokens`
@@ -125,7 +123,7 @@ class Worker:
         max_queue: int,
         metrics: Metrics,
         max_batch: int,
-        context: int,
+        slot_positions: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         attention_span: float = math.inf,
         drafts: BatchDrafts | None = None,
@@ -134,7 +132,8 @@ class Worker:
     ) -> None:
         self.lm, self.max_queue, self.metrics = lm, max_queue, metrics
         self.drafts = drafts or BatchDrafts({})  # context drafts in batched steps
-        self.max_batch, self.context, self.prefill_chunk = max_batch, context, prefill_chunk
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.slot_positions = slot_positions  # positions a job may use: its prompt and reply
         self.attention_span = attention_span  # see `delspec.decoding.prefill.chunk_rows`
         self._joining: list[_Running] = []  # in their slots, prompts being prefilled
         self._running: list[_Running] = []  # generating
@@ -162,7 +161,7 @@ class Worker:
 
     def start(self) -> None:
         with torch.inference_mode():  # the slots, written by the engines in inference mode
-            self.lm.model.setup_cache(self.context, self.max_batch)
+            self.lm.model.setup_cache(self.slot_positions, self.max_batch)
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -219,7 +218,7 @@ class Worker:
             slot, cached = self.prompt_cache.place(job.prompt_ids, free, busy)
             try:
                 options = {**job.options, "trace": True, "draft_pool": self.draft_pool}
-                text = TextDecoding(self.lm, job.prompt_ids, job.config, slot=slot, **options)
+                text = TextDecoding(job.run, job.prompt_ids, slot=slot, **options)
                 self._joining.append(_Running(job, text, Prefill(text.decoding, cached)))
             except Exception as exc:  # reported to its client; the worker goes on serving
                 self.prompt_cache.release(slot, EMPTY)
@@ -269,7 +268,7 @@ class Worker:
             if entry.job.stream:
                 for piece, _kind in texts:
                     entry.job.emit("text", piece)
-            if entry.text.decoding.done:
+            if entry.text.done:
                 self._running.remove(entry)
                 self._finish(entry)
 
@@ -280,7 +279,7 @@ class Worker:
             if entry.job.cancelled.is_set():
                 self.prompt_cache.release(entry.slot, entry.held)
             else:  # its time is up: it ends with what it has
-                entry.text.decoding.stop()
+                entry.text.stop()
                 self._finish(entry)
 
     def _finish(self, entry: _Running) -> None:
