@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.kernels.build import library
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine import kernel_choice
 from delspec.machine.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
@@ -118,6 +118,44 @@ def test_calls_split_their_rows_from_where_it_pays_at_every_larger_count(slower,
     assert len(timed) == 2 * len(kernel_choice.SPLIT_COUNTS)
 
 
+FOUR_TILES = pytest.mark.skipif(
+    library() is None or set_four_tiles(True) is None,
+    reason="no four-tile path in this build of the kernels (AVX-512 VNNI)",
+)
+
+
+@FOUR_TILES
+@pytest.mark.parametrize(("faster", "slower", "expected"), [
+    ("four", set(), True), ("pairs", set(), False), ("four", {1, 4}, False), ("pairs", {8}, False),
+])  # fmt: skip
+def test_four_tiles_taken_where_they_take_less_time_summed(faster, slower, expected):
+    """`measure_four_tiles` times the layers on each of STEP_ROWS rows with four tiles at once
+    and with pairs (really running them, the switch set for each call), keeps four where the
+    summed times are no more than pairs', and leaves the process's setting as it found it."""
+    model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
+    timed: list[str] = []
+    settings: list[bool | None] = []
+    timer = faster_but_at(faster, slower, timed)
+
+    def watching(name: str, run) -> float:
+        def checked() -> object:
+            out = run()
+            settings.append(set_four_tiles(True))  # what the call ran with
+            set_four_tiles(settings[-1])
+            return out
+
+        return timer(name, checked)
+
+    set_four_tiles(False)
+    try:
+        assert kernel_choice.measure_four_tiles(model, watching) is expected
+        assert set_four_tiles(False) is False  # as it was before
+    finally:
+        set_four_tiles(True)
+    assert len(timed) == 2 * len(kernel_choice.STEP_ROWS)
+    assert settings == [name.endswith("four") for name in timed]
+
+
 def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
     model = tiny_model(seed=0, dtype=torch.float32)
@@ -131,6 +169,7 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure_choices", measure)
     monkeypatch.setattr(kernel_choice, "measure_prompt_tiles", lambda m: 64)
     monkeypatch.setattr(kernel_choice, "measure_split_rows", lambda m: {False: 16, True: 128})
+    monkeypatch.setattr(kernel_choice, "measure_four_tiles", lambda m: None)
     choose_kernels(model)
     other = tiny_model(seed=1, dtype=torch.float32)
     choose_kernels(other)  # same shapes: read from the cache

@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library, simd_paths
-from delspec.kernels.layers import prompt_tiles_ready
+from delspec.kernels.layers import prompt_tiles_ready, set_four_tiles
 from delspec.weights.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
@@ -201,6 +201,12 @@ def test_tiles_together_have_the_bits_of_single_tiles(qtype):
 
     alone = torch.cat([product(raw[i : i + 8]) for i in range(0, 56, 8)], -1)
     assert torch.equal(product(raw), alone)
+    before = set_four_tiles(False)  # pairs of tiles only, where four is the default
+    try:
+        assert torch.equal(product(raw), alone)
+    finally:
+        if before is not None:
+            set_four_tiles(before)
 
 
 def tile_product(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:

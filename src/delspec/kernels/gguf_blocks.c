@@ -744,6 +744,17 @@ static inline __m512i area_vector2(const uint8_t *area, int64_t stride, int w, i
     return _mm512_and_si512(both, _mm512_set1_epi8((char)(((1 << w) - 1) << to)));
 }
 
+/* One group's scales and minimums (per half, as group_scales gives them) for a pair of tiles
+ * (tile blocks t0 and t1), t0's rows in the low 256 bits. */
+static inline __attribute__((always_inline)) void pair_scales(int type, const uint8_t *t0,
+                                                               const uint8_t *t1, int j,
+                                                               __m512 s[2], __m512 m[2]) {
+    Scales S0, S1;
+    group_scales(type, t0, j, &S0);
+    group_scales(type, t1, j, &S1);
+    for (int h = 0; h < 2; ++h) s[h] = join_ps(S0.s[h], S1.s[h]), m[h] = join_ps(S0.m[h], S1.m[h]);
+}
+
 /* group_vector of both tiles (under VNNI). */
 static inline __attribute__((always_inline)) __m512i group_vector2(const Layout *L,
                                                                     const uint8_t *area,
@@ -790,11 +801,9 @@ static inline __attribute__((always_inline)) void tile_pair(int type, const Layo
                 *sum = _mm512_dpbusd_epi32(*sum, w, _mm512_set1_epi32(bytes));
             }
         }
-        Scales S0, S1;
-        group_scales(type, t, j, &S0);
-        group_scales(type, t + stride, j, &S1);
-        __m512 s0 = join_ps(S0.s[0], S1.s[0]), m0 = join_ps(S0.m[0], S1.m[0]);
-        __m512 s1 = join_ps(S0.s[1], S1.s[1]), m1 = join_ps(S0.m[1], S1.m[1]);
+        __m512 s[2], m[2];
+        pair_scales(type, t, t + stride, j, s, m);
+        __m512 s0 = s[0], m0 = m[0], s1 = s[1], m1 = m[1];
         const float *d = dq + at, *sum = sums + at, *half = halves + 2 * at;
         for (int r = 0; r < rows; ++r) {
             __m512 dx = _mm512_set1_ps(d[r]);
@@ -849,15 +858,6 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *t0
     }
 }
 
-/* One group's scale and minimum for a pair (tile blocks t0 and t1), by group_scales. */
-static inline __attribute__((always_inline)) void pair_scales(int type, const uint8_t *t0,
-                                                               const uint8_t *t1, int j,
-                                                               __m512 *s, __m512 *m) {
-    Scales S0, S1;
-    group_scales(type, t0, j, &S0);
-    group_scales(type, t1, j, &S1);
-    *s = join_ps(S0.s[0], S1.s[0]), *m = join_ps(S0.m[0], S1.m[0]);
-}
 
 /* out[r][c] = W[c] . x[r] for the 32 rows c of four tiles and `rows` (<= MAX_ROWS) rows of x. */
 static inline __attribute__((always_inline)) void tile_four(int type, const Layout *L,
@@ -882,8 +882,8 @@ static inline __attribute__((always_inline)) void tile_four(int type, const Layo
             block_scales(t, t + stride, s0, m0);
             block_scales(t + 2 * stride, t + 3 * stride, s1, m1);
         } else if (!k_block) {
-            pair_scales(type, t, t + stride, j, &s0[0], &m0[0]);
-            pair_scales(type, t + 2 * stride, t + 3 * stride, j, &s1[0], &m1[0]);
+            pair_scales(type, t, t + stride, j, s0, m0);
+            pair_scales(type, t + 2 * stride, t + 3 * stride, j, s1, m1);
         }
         const uint8_t *area = t + L->head + j * L->group_bytes;
         const int8_t *x = q + g * M * GROUP;
@@ -918,21 +918,12 @@ static inline __attribute__((always_inline)) void tile_four(int type, const Layo
 
 #define FOUR_CASE(t, n)                                                                      \
     case n: tile_four(t, &L, tile, stride, a, first, n, out); return;
-#define FOUR_TYPE(t)                                                                         \
-    case t: {                                                                                \
-        Layout L;                                                                            \
-        layout_of(t, &L);                                                                    \
-        switch (rows) {                                                                      \
-            FOUR_CASE(t, 1) FOUR_CASE(t, 2) FOUR_CASE(t, 3) FOUR_CASE(t, 4)                  \
-            FOUR_CASE(t, 5) FOUR_CASE(t, 6) FOUR_CASE(t, 7) FOUR_CASE(t, 8)                  \
-        }                                                                                    \
-        return;                                                                              \
-    }
 static void four_product(int type, const uint8_t *tile, int64_t stride, const Activations *a,
                          int64_t first, int rows, float out[MAX_ROWS][4 * TILE]) {
     switch (type) {
-        FOUR_TYPE(Q4_0) FOUR_TYPE(Q4_1) FOUR_TYPE(Q5_0) FOUR_TYPE(Q5_1) FOUR_TYPE(Q8_0)
-        FOUR_TYPE(Q4_K) FOUR_TYPE(Q5_K)
+        TYPE_CASE(Q4_0, FOUR_CASE) TYPE_CASE(Q4_1, FOUR_CASE) TYPE_CASE(Q5_0, FOUR_CASE)
+        TYPE_CASE(Q5_1, FOUR_CASE) TYPE_CASE(Q8_0, FOUR_CASE) TYPE_CASE(Q4_K, FOUR_CASE)
+        TYPE_CASE(Q5_K, FOUR_CASE)
     }
 }
 
@@ -1197,12 +1188,26 @@ static void one_tile(int type, const uint8_t *tile, const Activations *a, int64_
     }
 }
 
+/* Whether dl_tile takes four tiles at once where it can (dl_set_four_tiles). */
+static int four_tiles = 1;
+
+int dl_set_four_tiles(int on) {
+#if WIDE
+    int before = four_tiles;
+    four_tiles = on != 0;
+    return before;
+#else
+    (void)on;
+    return -1;
+#endif
+}
+
 void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first, int64_t count,
              float *y, int64_t ldy, int width) {
     int64_t stride = dl_tile_stride(type, a->K);
     if (width > 2 * TILE) {
 #if WIDE
-        if (width == 4 * TILE && four_type(type)) {
+        if (width == 4 * TILE && four_tiles && four_type(type)) {
             float out[MAX_ROWS][4 * TILE];
             for (int64_t m0 = 0; m0 < count; m0 += MAX_ROWS) {
                 int rows = (int)(count - m0 < MAX_ROWS ? count - m0 : MAX_ROWS);

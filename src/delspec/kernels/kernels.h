@@ -46,6 +46,10 @@ int64_t dl_tile_stride(int type, int64_t K);
  * of tiles, or four, at once; the bits are those of one tile at a time). */
 void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first, int64_t count,
              float *y, int64_t ldy, int width);
+/* Whether dl_tile computes four tiles at once where the build and type allow it (on != 0; the
+ * default) or pairs of tiles: the same bits either way, the faster one measured per machine.
+ * Process-wide; returns the previous setting, or -1 where the build has no four-tile path. */
+int dl_set_four_tiles(int on);
 /* How many rows of activations with K values a product takes at a time: a block that stays in
  * the core's L2 while the weights stream past it (each row's bits are the same whatever the
  * block). `dl_set_block_bytes` sets the L2 bytes it may fill (0: half of the reported L2) and

@@ -103,6 +103,15 @@ def _norm(module) -> int | None:
     return None if module is None else module.weight.data_ptr()
 
 
+def set_four_tiles(on: bool) -> bool | None:
+    """Have the products take four tiles of weight rows at once where they can (`on`) or pairs
+    of tiles (`dl_set_four_tiles`: the same bits, process-wide); the previous setting, or None
+    where the compiled kernels have no four-tile path (or there are none)."""
+    lib = library()
+    before = -1 if lib is None else lib.dl_set_four_tiles(int(on))
+    return None if before < 0 else bool(before)
+
+
 def prompt_tiles_ready() -> bool:
     """Whether the compiled layers can run a prompt's products on bfloat16 tiles here (a CPU
     with AMX-BF16, whose tile state the process is granted)."""

@@ -5,8 +5,9 @@ format) and every row bucket (`kernels.products.ROW_BUCKETS`: the one-token step
 prefill), the candidate kernels (`Linear.candidates`) are timed over all the model's layers of
 that shape, one product each, so that the weights stream from memory as in a real step. The
 fastest is kept. So is the prompt length from which the compiled layers run a prompt on
-bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, and the row counts from which
-they split a call's per-row steps between the threads (`measure_split_rows`). Choices are cached
+bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, the row counts from which
+they split a call's per-row steps between the threads (`measure_split_rows`), and whether the
+products take four tiles of weight rows at once or pairs (`measure_four_tiles`). Choices are cached
 (`~/.cache/delspec/kernels`), keyed by the CPU, torch, the thread count, the model shape, dtype
 and weight format, and measured again after a week, as the cost profile is; the cost profile,
 measured with the chosen kernels, then sees their times.
@@ -24,19 +25,22 @@ import torch
 
 from delspec.cache import cache_dir, write_atomically
 from delspec.kernels.build import cpu_name
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine.timing import MEASURED_MAX_AGE_S, measurement_key, settled_seconds
 from delspec.model.modules import Linear
 from delspec.model.transformer import Transformer
 
-CHOICE_VERSION = 3
+CHOICE_VERSION = 4
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
 PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
 # row counts at which calls without tiles (steps of several rows, short prompts) are timed with
 # their per-row steps split between the threads and without
 SPLIT_COUNTS = (8, 16, 32, 64)
 PROMPT_LAYERS = 2  # ...through this many layers (a prompt's rows are compute-bound)
+# a step's and verifications' row counts, timed through this many layers (enough weights to
+# stream from memory, as in a step) with four tiles at once and with pairs
+STEP_ROWS, STEP_LAYERS = (1, 4, 8), 8
 # seconds(candidate name, run) -> the time of `run()`; injectable for tests.
 Timer = Callable[[str, Callable[[], object]], float]
 
@@ -119,15 +123,45 @@ def measure_split_rows(model: Transformer, timer: Timer | None = None) -> dict[b
     return chosen
 
 
+def measure_four_tiles(model: Transformer, timer: Timer | None = None) -> bool | None:
+    """Whether the products take four tiles at once (True) or pairs (False): the first
+    `STEP_LAYERS` layers timed on each of `STEP_ROWS` rows both ways, four where their times
+    summed are no more than pairs'. None where the kernels have no four-tile path or no
+    compiled layers. The bits are the same either way."""
+    before = set_four_tiles(True)
+    if before is None:
+        return None
+    variants: dict[str, dict[str, bool]] = {"four": {}, "pairs": {}}
+    try:
+        times = _time_calls(
+            model,
+            STEP_ROWS,
+            variants,
+            timer,
+            STEP_LAYERS,
+            lambda name: set_four_tiles(name == "four"),
+        )
+    finally:
+        set_four_tiles(before)
+    if times is None:
+        return None
+    return sum(t for (_, n), t in times.items() if n == "four") <= sum(
+        t for (_, n), t in times.items() if n == "pairs"
+    )
+
+
 def _time_calls(
     model: Transformer,
     counts: tuple[int, ...],
     variants: dict[str, dict[str, bool]],
     timer: Timer | None,
+    layers: int = PROMPT_LAYERS,
+    setup: Callable[[str], object] | None = None,
 ) -> dict[tuple[int, str], float] | None:
-    """Seconds of a call of the first `PROMPT_LAYERS` compiled layers on each of `counts` rows
-    (those the model's positions hold) at position 0, per variant (keyword arguments of
-    `LayerKernels.run`); None without compiled layers or counts."""
+    """Seconds of a call of the first `layers` compiled layers on each of `counts` rows (those
+    the model's positions hold) at position 0, per variant (keyword arguments of
+    `LayerKernels.run`; `setup(variant)` called before each call, where given); None without
+    compiled layers or counts."""
     counts = tuple(rows for rows in counts if rows < model.config.max_position)
     if not counts:
         return None
@@ -138,10 +172,15 @@ def _time_calls(
         runs = {}
         for rows in counts:
             h = model.embed(torch.zeros(rows, dtype=torch.long, device=model.device))
-            layers = min(PROMPT_LAYERS, model.num_layers)
-            where = (list(range(rows)), [0] * rows, 0, layers, None)
+            where = (list(range(rows)), [0] * rows, 0, min(layers, model.num_layers), None)
             for name, options in variants.items():
-                runs[rows, name] = lambda h=h, w=where, o=options: compiled.run(h, *w, **o)
+
+                def run(h=h, w=where, o=options, name=name) -> object:
+                    if setup is not None:
+                        setup(name)
+                    return compiled.run(h, *w, **o)
+
+                runs[rows, name] = run
         if timer is None:
             times, _ = settled_seconds(runs, ROUNDS)
         else:
@@ -194,12 +233,15 @@ def choose_kernels(model: Transformer) -> None:
         stored["prompt_tiles_from"] = model.prompt_tiles_from = measure_prompt_tiles(model)
         split = measure_split_rows(model)  # for the prompts that take tiles too
         stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
+        stored["four_tiles"] = measure_four_tiles(model)
         text = json.dumps(stored, indent=1)
         write_atomically(path, lambda out: out.write_text(text))
     apply_choices(model, stored["choices"])
     model.prompt_tiles_from = stored["prompt_tiles_from"]
     split = stored["split_rows_from"]
     model.split_rows_from = {False: split["plain"], True: split["tiles"]}
+    if stored["four_tiles"] is not None:  # process-wide: the last model chosen for sets it
+        set_four_tiles(stored["four_tiles"])
 
 
 def _read(path) -> dict | None:
