@@ -22,15 +22,20 @@ CHARS_PER_TOKEN = 3.2  # about, for the task texts (prose and code) in the usual
 class Streamed:
     """A streaming chat request as its client saw it: the HTTP status, the text, the arrival
     time (`time.monotonic()`) of each piece, and an error (HTTP status, an error event, or a
-    transport error) if any, and the completion tokens the server counted."""
+    transport error) if any, and the usage the server reported."""
 
     status: int | None = None
     text: str = ""
     times: list[float] = field(default_factory=list)
-    tokens: int = 0  # completion tokens, as the last chunk's usage reports them
+    usage: dict[str, Any] = field(default_factory=dict)  # the last chunk's, where it has one
     sent: float = 0.0
     error: str | None = None
     server_error: bool = False  # a 5xx status, or an error event of type server_error
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens, as the server counted them (0 without a usage chunk)."""
+        return int(self.usage.get("completion_tokens", 0))
 
     @property
     def first_token_s(self) -> float | None:
@@ -85,7 +90,7 @@ async def stream_chat(
                     out.server_error = error.get("type") == "server_error"
                     continue
                 if chunk.get("usage"):  # null but in the last chunk
-                    out.tokens = chunk["usage"]["completion_tokens"]
+                    out.usage = chunk["usage"]
                 choices = chunk.get("choices") or [{}]
                 piece = choices[0].get("delta", {}).get("content")
                 if piece:

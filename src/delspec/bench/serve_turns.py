@@ -14,14 +14,15 @@ cache is exact).
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from delspec.bench.serve_clients import Streamed, stream_chat
 from delspec.bench.serve_load import TIMEOUT, describe, serve_process
 from delspec.bench.tasks import load_task
 from delspec.decode_config import DEFAULT_STRATEGY
@@ -29,26 +30,22 @@ from delspec.decode_config import DEFAULT_STRATEGY
 FLUSH = {"prompt": "Zebra", "max_tokens": 1}  # shares no first token with the chat's prompts
 
 
-def streamed(url: str, body: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
-    """Seconds to the first piece of text, the text and the usage of a streamed chat."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    start, first, text, usage = time.perf_counter(), None, "", {}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=TIMEOUT) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {reply.read().decode()[:300]}")
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise RuntimeError(f"the server failed a turn: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - start
-                text += piece
-    return first if first is not None else time.perf_counter() - start, text, usage
+async def _streamed(url: str, body: dict[str, Any]) -> Streamed:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        return await stream_chat(http, url, body)
+
+
+def streamed(url: str, body: dict[str, Any]) -> Streamed:
+    """A streamed chat `body` to the server at `url` (with its usage chunk); RuntimeError for
+    an error."""
+    out = asyncio.run(
+        _streamed(url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    )
+    if out.error is not None:
+        raise RuntimeError(f"the server failed a turn: {out.error}")
+    if out.first_token_s is None:
+        raise RuntimeError("a turn's reply had no text: no time to its first token")
+    return out
 
 
 def document(articles: int) -> str:
@@ -85,22 +82,22 @@ def run_turns(
             content = f"{text}\n\n{question}" if turn == 1 else question
             chat.append({"role": "user", "content": content})
             body = {"messages": chat, "max_tokens": max_tokens, "temperature": 0}
-            got: dict[str, tuple[float, str, dict[str, Any]]] = {}
+            got: dict[str, Streamed] = {}
             for name in ("cold", "cached") if turn % 2 else ("cached", "cold"):
                 if name == "cold":
                     httpx.post(cold + "/v1/completions", json=FLUSH, timeout=TIMEOUT)
                 got[name] = streamed(urls[name], body)
-            cold_cached = got["cold"][2]["prompt_tokens_details"]["cached_tokens"]
+            cold_cached = got["cold"].usage["prompt_tokens_details"]["cached_tokens"]
             if cold_cached:
                 raise RuntimeError(f"turn {turn}: the cold server reused {cold_cached} tokens")
-            usage = got["cached"][2]
+            usage = got["cached"].usage
             rows.append({
                 "turn": turn,
                 "prompt_tokens": usage["prompt_tokens"],
                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "ttft_cold_s": round(got["cold"][0], 4),
-                "ttft_cached_s": round(got["cached"][0], 4),
-                "identical": got["cold"][1] == got["cached"][1],
+                "ttft_cold_s": round(got["cold"].first_token_s, 4),
+                "ttft_cached_s": round(got["cached"].first_token_s, 4),
+                "identical": got["cold"].text == got["cached"].text,
             })  # fmt: skip
             print(
                 f"turn {turn}: {rows[-1]['prompt_tokens']} prompt tokens, "
@@ -108,7 +105,7 @@ def run_turns(
                 f"cached {rows[-1]['ttft_cached_s']:.3f} s",
                 flush=True,
             )
-            chat.append({"role": "assistant", "content": got["cached"][1]})
+            chat.append({"role": "assistant", "content": got["cached"].text})
         where = describe(cached, serve_args)
     return {
         "environment": where,

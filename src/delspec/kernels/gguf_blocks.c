@@ -23,7 +23,9 @@
  *
  * Compiled on the machine at first use (see build.py): AVX2 (+FMA, F16C), with VNNI dot products
  * (AVX-512 VNNI or AVX-VNNI) where the CPU has them, or portable C. With AVX-512, pairs of tiles
- * are computed at once in 512-bit vectors (tile_pair), with the bits of one tile at a time. A
+ * are computed at once in 512-bit vectors (tile_pair), or two pairs (tile_four, where the type
+ * allows and the machine measured it faster: dl_set_four_tiles), with the bits of one tile at a
+ * time. A
  * long prompt's rows may take another product where the CPU has AMX-BF16 (dl_prompt_tiles, at
  * the end): all of that prompt's rows, and never decoding's.
  */
