@@ -20,18 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from delspec import PRESETS, load_model
 from delspec.bench.environment import cpu_name
 from delspec.bench.tasks import load_task
 from delspec.decoding.generate import encode_prompt
 from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import draft_head
-from delspec.machine.profile_store import cached_profile
+from delspec.machine.profile import MachineProfile
 from delspec.policies import make_policy
 from delspec.policies.cost_model import MeasuredCost
-from delspec.policies.fast_state import LEARNED
 
 TASKS = ("humaneval", "gsm8k", "summarization", "continuation", "mtbench")
 
@@ -45,8 +42,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, threads=args.threads)
     model, config = lm.model, PRESETS["fast"]
     head = draft_head(lm, config)
     probe = make_policy(config, model.num_layers)
@@ -55,10 +51,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name in ("thorough", "quick"):
             start = time.perf_counter()
-            directory = Path(folder) / name
-            profile = cached_profile(
-                head, middle, probe.draft_cap + 1, directory, name == "thorough"
-            )
+            machine = MachineProfile(model, args.threads, root=Path(folder) / name)
+            profile = machine.cost_profile(head, middle, probe.draft_cap + 1, name == "thorough")
             profiles[name], measure_s[name] = profile, time.perf_counter() - start
     prompts = [p.text for task in TASKS for p in load_task(task, args.samples)]
     learned = {name: {} for name in profiles}
@@ -73,9 +67,8 @@ def main() -> None:
                 if name == "ar":
                     policy = make_policy("ar", model.num_layers)
                 else:
-                    policy = make_policy(config, model.num_layers)
+                    policy = make_policy(config, model.num_layers, learned=learned[name])
                     policy.cost = MeasuredCost(profiles[name], model.num_layers)
-                    LEARNED[model] = learned[name]
                 out = Decoding(
                     model,
                     ids,

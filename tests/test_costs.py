@@ -19,7 +19,7 @@ from tqdm import tqdm
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
 from delspec.machine import cost_profile
-from delspec.machine.profile_store import cached_profile
+from delspec.machine.profile import MachineProfile
 from delspec.policies.cost_model import CostCheck, LayerCost, MeasuredCost
 from delspec.policies.exit_statistics import best_plan, expected_tokens
 from delspec.policies.protocol import Round
@@ -27,6 +27,13 @@ from delspec.policies.protocol import Round
 LAYERS = 10
 EXITS = torch.tensor([2, 5, 8])
 LENGTHS = torch.arange(0, 6)
+
+
+def cached_profile(head, exit_layer, max_tokens, root, thorough=False, budget=None):
+    """The profile a new machine profile of `head`'s model (nothing read in this process yet)
+    reads or measures under cache root `root`."""
+    machine = MachineProfile(head.model, root=root)
+    return machine.cost_profile(head, exit_layer, max_tokens, thorough, budget)
 
 
 def choose(alpha, cost):
@@ -194,7 +201,7 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     measured = CountingHead.calls
     again = cached_profile(head, 2, 4, tmp_path)
     assert CountingHead.calls == measured and again == first
-    path = next(tmp_path.glob("profile-*.json"))
+    path = next((tmp_path / "costs").glob("profile-*.json"))
     data = json.loads(path.read_text())
     data["measured_at"] = time.time() - 30 * 24 * 3600
     path.write_text(json.dumps(data))
@@ -204,7 +211,9 @@ def test_profile_is_measured_once_then_cached_and_refreshed_when_stale(tmp_path)
     assert cached_profile(head, 2, 4, tmp_path).key == first.key
     # int8 drafts are another setting: a profile of their own
     int8 = cached_profile(ExitHead(head.model, int8=True), 2, 4, tmp_path)
-    assert int8.int8 and int8.key != first.key and len(list(tmp_path.glob("*.json"))) == 2
+    assert (
+        int8.int8 and int8.key != first.key and len(list((tmp_path / "costs").glob("*.json"))) == 2
+    )
 
 
 def test_a_profile_is_timed_from_the_most_rows_down_and_takes_rows_as_decoding_meets_them(
@@ -331,12 +340,43 @@ def test_a_first_profile_is_quick_and_a_thorough_one_replaces_it_when_asked(tmp_
     measured = CountingHead.calls
     thorough = cached_profile(head, 2, 4, tmp_path, thorough=True)
     assert not thorough.quick and CountingHead.calls > measured
-    (path,) = tmp_path.glob("profile-*.json")
+    (path,) = (tmp_path / "costs").glob("profile-*.json")
     assert json.loads(path.read_text())["quick"] is False
     measured = CountingHead.calls
     for ask in (True, False):
         again = cached_profile(head, 2, 4, tmp_path, thorough=ask)
         assert again == thorough and not again.quick and CountingHead.calls == measured
+
+
+def test_a_run_too_short_to_repay_a_profile_measures_none(tmp_path):
+    """A run allowed fewer new tokens than a quick profile takes steps gets no profile and
+    stores none; a longer one measures it, and then every run reads it, however short. A
+    thorough profile is measured whatever the run."""
+    head = CountingHead(tiny_model(seed=0))
+    short = cost_profile.QUICK_PROFILE_STEPS - 1
+    calls = CountingHead.calls
+    assert cached_profile(head, 2, 4, tmp_path, budget=short) is None
+    assert CountingHead.calls == calls and not (tmp_path / "costs").exists()
+    measured = cached_profile(head, 2, 4, tmp_path, budget=cost_profile.QUICK_PROFILE_STEPS)
+    assert measured is not None and measured.quick
+    assert cached_profile(head, 2, 4, tmp_path, budget=1) == measured
+    elsewhere = tmp_path / "other"
+    thorough = cached_profile(head, 2, 4, elsewhere, thorough=True, budget=1)
+    assert thorough is not None and not thorough.quick
+
+
+def test_a_machine_profile_keys_its_measurements_by_its_thread_count_and_keeps_what_it_read(
+    tmp_path,
+):
+    """The thread count is part of every key (a profile timed on two threads says nothing of
+    one); within a process, a machine profile hands out the profile it read or measured."""
+    model = tiny_model(seed=0)
+    one, two = MachineProfile(model, 1, tmp_path), MachineProfile(model, 2, tmp_path)
+    assert one.key() != two.key() and one.key() == MachineProfile(model, 1).key()
+    head = ExitHead(model)
+    first = one.cost_profile(head, 2, 4)
+    assert one.cost_profile(head, 2, 4) is first and first.key != two.cost_profile(head, 2, 4).key
+    assert len(list((tmp_path / "costs").glob("profile-*.json"))) == 2
 
 
 @pytest.mark.parametrize(
@@ -384,7 +424,7 @@ def test_heads_of_other_vocabularies_share_the_model_timings(tmp_path):
     pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     assert (pruned.key, pruned.layer, pruned.head) == (full.key, full.layer, full.head)
     assert len(full.draft_head) == 1 and len(pruned.draft_head) == 2
-    (path,) = tmp_path.glob("profile-*.json")
+    (path,) = (tmp_path / "costs").glob("profile-*.json")
     assert set(json.loads(path.read_text())["draft_heads"]) == {"64", "8,64"}
     assert cached_profile(ExitHead(model), 2, 4, tmp_path) == full
 
@@ -457,7 +497,7 @@ def test_cost_check_marks_a_far_off_profile_for_measuring_again(tmp_path):
     for _ in range(cost.check.window):  # one full window
         cost.check.observe(plain, plain / 100, drafted=False)
     assert cost.check.corrections == pytest.approx([0.01])
-    (path,) = tmp_path.glob("profile-*.json")
+    (path,) = (tmp_path / "costs").glob("profile-*.json")
     assert json.loads(path.read_text())["settled"] is False
     again = cached_profile(head, 2, 4, tmp_path)  # measured afresh, not the far-off file
     assert again.measured_at > measured.measured_at and again.settled in (True, False)
@@ -600,7 +640,7 @@ def test_a_new_vocabulary_keeps_an_unsettled_profile_unsettled(tmp_path):
     marked so (measured again within the hour), where it was marked settled for a week."""
     model = tiny_model(seed=0)
     cached_profile(ExitHead(model), 2, 4, tmp_path)
-    (path,) = tmp_path.glob("profile-*.json")
+    (path,) = (tmp_path / "costs").glob("profile-*.json")
     path.write_text(json.dumps({**json.loads(path.read_text()), "settled": False}))
     pruned = cached_profile(DraftHead(model, vocab=[torch.arange(8), None]), 2, 4, tmp_path)
     assert not pruned.settled and json.loads(path.read_text())["settled"] is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from tiny_models import tiny_model
 from delspec.decoding.generate import TextStream, generate
 from delspec.decoding.sampling import Sampling
 from delspec.errors import ConfigError
+from delspec.machine.cost_profile import QUICK_PROFILE_STEPS
+from delspec.policies.cost_model import MeasuredCost
 from delspec.weights.loading import LoadedModel
 
 
@@ -108,3 +111,20 @@ def test_a_replacement_character_more_text_follows_stays(smollm2: LoadedModel) -
     cut = TextStream(tokenizer, tokenizer.encode("Hi"))
     pieces = cut.push(more, "target") + cut.push([lead], "target") + cut.finish()
     assert cut.text == " and more" == "".join(text for text, _ in pieces)
+
+
+def test_a_short_first_run_leaves_the_cost_profile_to_a_longer_one(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`del-fast` on a model with nothing measured yet: a run allowed fewer new tokens than a
+    quick profile takes steps decodes without one (the layer cost) and stores none; a longer
+    run measures it and carries it to the next. Both give `ar`'s tokens."""
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    lm = LoadedModel(tiny.model, tiny.tokenizer, "tiny", "memory", tiny.eos_token_ids)
+    prompt = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"
+    for tokens, measured in ((QUICK_PROFILE_STEPS - 1, False), (QUICK_PROFILE_STEPS, True)):
+        expected = generate(lm, prompt, strategy="ar", max_new_tokens=tokens)
+        assert generate(lm, prompt, max_new_tokens=tokens).token_ids == expected.token_ids
+        assert bool(list(tmp_path.glob("costs/profile-*.json"))) is measured
+        (learned,) = lm.learned.values()
+        assert isinstance(learned.cost, MeasuredCost) is measured

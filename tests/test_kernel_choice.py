@@ -10,7 +10,8 @@ from delspec.kernels.build import library
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine import kernel_choice
-from delspec.machine.kernel_choice import apply_choices, choose_kernels, fastest, measure_choices
+from delspec.machine.kernel_choice import apply_choices, fastest, measure_choices
+from delspec.machine.profile import MachineProfile
 from delspec.model.modules import Linear
 
 
@@ -170,13 +171,13 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure_prompt_tiles", lambda m: 64)
     monkeypatch.setattr(kernel_choice, "measure_split_rows", lambda m: {False: 16, True: 128})
     monkeypatch.setattr(kernel_choice, "measure_four_tiles", lambda m: None)
-    choose_kernels(model)
+    MachineProfile(model).choose_kernels()
     other = tiny_model(seed=1, dtype=torch.float32)
-    choose_kernels(other)  # same shapes: read from the cache
+    MachineProfile(other).choose_kernels()  # same shapes: read from the cache
     assert len(calls) == 1
     assert list(tmp_path.glob("kernels/choice-*.json"))
     assert model.lm_head.kernels == measured
     assert other.prompt_tiles_from == 64 and other.on_tiles(64) and not other.on_tiles(63)
     assert other.split_rows_from == {False: 16, True: 128}
-    choose_kernels(tiny_model(seed=0, dtype=torch.float32, num_layers=3))  # another model
+    MachineProfile(tiny_model(seed=0, dtype=torch.float32, num_layers=3)).choose_kernels()
     assert len(calls) == 2

@@ -63,7 +63,7 @@ from delspec.model.architectures import FAMILIES, config_from_hf
 from delspec.model.modules import rope_attention_factor
 from delspec.policies import make_policy
 from delspec.weights import gguf_file
-from delspec.weights.gguf_file import INDEX, GGUFFile
+from delspec.weights.gguf_file import INDEX, GGUFFile, token_scores
 from delspec.weights.gguf_header import read_header
 from delspec.weights.loading import LoadedModel, load_model, model_depth, resolve_dtype
 from delspec.weights.named_models import default_model_path, named_model_path
@@ -406,6 +406,14 @@ def test_gguf_matches_transformers_and_its_metadata_is_read_once(
 
     load_model(path)
     assert len(calls) == 1
+    # a later load's depth and token scores come from the entry, not the header
+    scores = read_header(path).metadata.get("tokenizer.ggml.scores")
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_file, "read_header", lambda *a: pytest.fail("header read again"))
+        assert model_depth(path) == model.config.num_hidden_layers
+        stored = token_scores(path)
+    assert (stored is None) == (scores is None)
+    assert scores is None or np.array_equal(stored, np.asarray(scores, dtype=np.float32))
     [entry] = (cache / "gguf").iterdir()  # one complete entry, no leftover temporary directory
     assert entry.name.startswith("tiny.Q-") and (entry / INDEX).is_file()
     assert not list(entry.glob("*.safetensors"))  # no copy of the weights

@@ -131,7 +131,7 @@ class DelspecBackend:
         config, weights = method_config(strategy, options)
         # bad options are rejected now; a benchmark times the policy with its thorough costs
         run = resolve(config, self.model_in(weights))
-        run.new_policy().measure_costs(run.draft_head)
+        run.warm_up()
 
         def generate(prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
             decoding = run.decoding(

@@ -231,18 +231,15 @@ def writable_directory(path: Path, flag: str) -> Path:
 
 def load(args: argparse.Namespace) -> LoadedModel:
     """The model the `model_arguments` flags name, on their device and threads."""
-    import torch
-
     from delspec.weights.loading import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     return load_model(
         args.model,
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,
         huge_pages=args.huge_pages,
+        threads=args.threads or None,
     )
 
 

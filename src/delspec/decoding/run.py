@@ -45,9 +45,19 @@ class ResolvedConfig:
     def strategy(self) -> str:
         return self.config.strategy
 
-    def new_policy(self) -> Policy:
-        """A fresh policy of the config for one sequence (the config is checked already)."""
-        return make_policy(self.config, self.lm.model.num_layers)
+    def new_policy(self, budget: int | None = None) -> Policy:
+        """A fresh policy of the config for one sequence of at most `budget` new tokens (None:
+        unbounded; the config is checked already), with the loaded model's machine profile and
+        what its earlier runs learned."""
+        lm = self.lm
+        return make_policy(
+            self.config, lm.model.num_layers, machine=lm.machine, learned=lm.learned, budget=budget
+        )
+
+    def warm_up(self) -> None:
+        """Build the draft head and measure now what a first run would otherwise measure inside
+        it (the cost profile, thoroughly): for a process that times or serves many runs."""
+        self.new_policy().measure_costs(self.draft_head)
 
     @functools.cached_property
     def draft_head(self) -> ExitHead:
@@ -76,7 +86,7 @@ class ResolvedConfig:
         return Decoding(
             lm.model,
             prompt_ids,
-            self.new_policy(),
+            self.new_policy(max_new_tokens),
             sampling=sampling,
             max_new_tokens=max_new_tokens,
             eos_token_ids=lm.eos_token_ids,

@@ -1,12 +1,14 @@
 """The decode cost profile: seconds measured on this machine for one model, device, dtype and
-thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), cached on disk
-per setting (`profile_store`). A profile timed while the machine was busy would mislead every
-later run that reads it, so a thorough profile's timings are taken in interleaved rounds until
-two takes agree. A first run measures a quick one instead (a few dozen steps' worth of timings:
-fewer row counts, one take, two cycles in decoding), so that a new model's first answer does not
-wait for the thorough one; long-lived processes (the server, benchmarks) ask for a thorough
-profile and replace a quick one. The cost model's `CostCheck` corrects a profile whose
-predictions a run keeps contradicting.
+thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), kept per setting
+by the machine profile (`MachineProfile.cost_profile`, on disk through `store`). A profile timed
+while the machine was busy would mislead every later run that reads it, so a thorough profile's
+timings are taken in interleaved rounds until two takes agree. A first run measures a quick one
+instead (a few dozen steps' worth of timings: fewer row counts, one take, two cycles in
+decoding), so that a new model's first answer does not wait for the thorough one, and a run
+allowed fewer new tokens than `QUICK_PROFILE_STEPS` measures none (measuring would take longer
+than the run). Long-lived processes (the server, benchmarks) ask for a thorough profile and
+replace a quick one. The cost model's `CostCheck` corrects a profile whose predictions a run
+keeps contradicting.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ IN_DECODING_BUDGET_S = 24.0
 QUICK_ROUNDS = 2
 QUICK_CYCLES = 2  # cycles in decoding of a quick profile, the fastest of them taken
 QUICK_DRAFT_HEAD_ROUNDS = 3  # odd: their median is one of them, not an outlier's mean
+# About as many plain steps as a quick profile's timings take: a run allowed fewer new tokens
+# would spend longer measuring than decoding, so it runs on the layer cost and leaves the
+# profile to a longer run.
+QUICK_PROFILE_STEPS = 100
 
 
 class ExitHeadLike(Protocol):
@@ -114,11 +120,11 @@ class CostProfile:
                 values[rows - 1] *= factor
 
 
-def profile_key(exit_head: ExitHeadLike) -> str:
-    """Identifies the setting a profile's model timings were measured for (`measurement_key`),
-    and whether drafts run on int8 weights (not the draft head's vocabulary: its timings are
-    kept per vocabulary within the profile)."""
-    return measurement_key(exit_head.model, "int8" if exit_head.int8 else "exact")
+def profile_key(exit_head: ExitHeadLike, threads: int) -> str:
+    """Identifies the setting a profile's model timings were measured for (`measurement_key`
+    with `threads` threads), and whether drafts run on int8 weights (not the draft head's
+    vocabulary: its timings are kept per vocabulary within the profile)."""
+    return measurement_key(exit_head.model, threads, "int8" if exit_head.int8 else "exact")
 
 
 def measure_profile(
@@ -265,7 +271,7 @@ def _profile(
         draft_layer=drafted,
         draft_head=[],
         int8=exit_head.int8,
-        key=profile_key(exit_head),
+        key="",  # the keeper's (`MachineProfile.cost_profile`)
         measured_at=time.time(),
         context=context,
         layer_slope=[max(d - n, 0.0) / span for n, d in zip(near, deep, strict=True)],

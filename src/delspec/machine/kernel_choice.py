@@ -7,27 +7,25 @@ that shape, one product each, so that the weights stream from memory as in a rea
 fastest is kept. So is the prompt length from which the compiled layers run a prompt on
 bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, the row counts from which
 they split a call's per-row steps between the threads (`measure_split_rows`), and whether the
-products take four tiles of weight rows at once or pairs (`measure_four_tiles`). Choices are cached
-(`~/.cache/delspec/kernels`), keyed by the CPU, torch, the thread count, the model shape, dtype
-and weight format, and measured again after a week, as the cost profile is; the cost profile,
-measured with the chosen kernels, then sees their times.
+products take four tiles of weight rows at once or pairs (`measure_four_tiles`). The record
+(`measure_kernels`) is kept by the machine cache (`MachineProfile.choose_kernels`, `store`), keyed
+as every measurement of the machine is, and measured again when it grows old, as the cost
+profile is; the cost profile, measured with the chosen kernels, then sees their times.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from delspec.cache import cache_dir, write_atomically
 from delspec.kernels.build import cpu_name
 from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
 from delspec.kernels.products import ROW_BUCKETS
-from delspec.machine.timing import MEASURED_MAX_AGE_S, measurement_key, settled_seconds
+from delspec.machine.timing import settled_seconds
 from delspec.model.modules import Linear
 from delspec.model.transformer import Transformer
 
@@ -211,50 +209,27 @@ def apply_choices(model: Transformer, choices: dict[str, dict[int, str]]) -> Non
             layer.kernels = dict(choices[key])
 
 
-def choose_kernels(model: Transformer) -> None:
-    """Apply this machine's kernel choices for `model`, measuring them on first use (CPU only:
-    elsewhere every product keeps its default kernel)."""
-    if model.device.type != "cpu":
-        return
-    path = cache_dir() / "kernels" / f"choice-{measurement_key(model)}.json"
-    stored = _read(path)
-    if stored is None or set(stored["choices"]) != set(layer_groups(model)):
-        print(
-            f"delspec: timing product kernels on this CPU (once; cached in {path.parent})",
-            file=sys.stderr,
-            flush=True,
-        )
-        stored = {
-            "version": CHOICE_VERSION,
-            "measured_at": time.time(),
-            "cpu": cpu_name(),
-            "choices": measure_choices(model),
-        }
-        stored["prompt_tiles_from"] = model.prompt_tiles_from = measure_prompt_tiles(model)
-        split = measure_split_rows(model)  # for the prompts that take tiles too
-        stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
-        stored["four_tiles"] = measure_four_tiles(model)
-        text = json.dumps(stored, indent=1)
-        write_atomically(path, lambda out: out.write_text(text))
+def measure_kernels(model: Transformer) -> dict[str, Any]:
+    """Every kernel choice for `model` on this machine, measured now, as the record the
+    machine cache keeps (`MachineProfile.choose_kernels`)."""
+    stored: dict[str, Any] = {
+        "version": CHOICE_VERSION,
+        "measured_at": time.time(),
+        "cpu": cpu_name(),
+        "choices": measure_choices(model),
+    }
+    stored["prompt_tiles_from"] = model.prompt_tiles_from = measure_prompt_tiles(model)
+    split = measure_split_rows(model)  # for the prompts that take tiles too
+    stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
+    stored["four_tiles"] = measure_four_tiles(model)
+    return stored
+
+
+def apply_kernels(model: Transformer, stored: dict[str, Any]) -> None:
+    """Give `model` the kernel choices of a `measure_kernels` record."""
     apply_choices(model, stored["choices"])
     model.prompt_tiles_from = stored["prompt_tiles_from"]
     split = stored["split_rows_from"]
     model.split_rows_from = {False: split["plain"], True: split["tiles"]}
     if stored["four_tiles"] is not None:  # process-wide: the last model chosen for sets it
         set_four_tiles(stored["four_tiles"])
-
-
-def _read(path) -> dict | None:
-    """The stored choices (their row buckets as numbers again), or None where none are stored
-    for this version or they are older than a week."""
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if stored.get("version") != CHOICE_VERSION:
-        return None
-    if time.time() - stored.get("measured_at", 0) > MEASURED_MAX_AGE_S:
-        return None
-    choices = stored["choices"]
-    stored["choices"] = {key: {int(r): k for r, k in rows.items()} for key, rows in choices.items()}
-    return stored

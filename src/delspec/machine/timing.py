@@ -20,15 +20,16 @@ Key = TypeVar("Key")
 MEASURED_MAX_AGE_S = 7 * 24 * 3600
 
 
-def measurement_key(model: Transformer, *extra: str) -> str:
-    """The key of a measurement of `model` on this machine (kernel choices, a cost profile): the
-    CPU (name and flags), torch, the thread count, the model's shape, device, dtype and weight
-    format, the compiled kernels' build, and what else sets the measurement apart (`extra`)."""
+def measurement_key(model: Transformer, threads: int, *extra: str) -> str:
+    """The key of a measurement of `model` on this machine with `threads` threads (kernel
+    choices, a cost profile): the CPU (name and flags), torch, the thread count, the model's
+    shape, device, dtype and weight format, the compiled kernels' build, and what else sets
+    the measurement apart (`extra`)."""
     parts = [
         cpu_name(),
         " ".join(sorted(cpu_flags())),
         torch.__version__,
-        str(torch.get_num_threads()),
+        str(threads),
         repr(model.config),
         str(model.device),
         str(model.dtype),

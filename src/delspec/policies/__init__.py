@@ -15,8 +15,10 @@ from delspec.decode_config import (
     NoOptions,
     StaticOptions,
 )
+from delspec.machine.profile import MachineProfile
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit
+from delspec.policies.fast_state import Learned
 from delspec.policies.fixed import (
     Autoregressive,
     ContextLookup,
@@ -27,10 +29,18 @@ from delspec.policies.fixed import (
 from delspec.policies.protocol import Plan, Policy
 
 
-def _dynamic_exit(num_layers: int, options: DELOptions) -> DynamicExit:
-    """The paper's DEL, or `FastDynamicExit` when `options` turn on any of its additions."""
-    policy = FastDynamicExit if options.uses_fast_additions else DynamicExit
-    return policy(num_layers, options)
+def _dynamic_exit(
+    num_layers: int,
+    options: DELOptions,
+    machine: MachineProfile | None = None,
+    learned: dict[tuple, Learned] | None = None,
+    budget: int | None = None,
+) -> DynamicExit:
+    """The paper's DEL, or `FastDynamicExit` (with `make_policy`'s `machine`, `learned` and
+    `budget`) when `options` turn on any of its additions."""
+    if options.uses_fast_additions:
+        return FastDynamicExit(num_layers, options, machine, learned, budget)
+    return DynamicExit(num_layers, options)
 
 
 # What makes the policy that runs a strategy (from the model's depth and the strategy's
@@ -45,14 +55,28 @@ POLICIES: dict[type, Callable[[int, Any], Policy]] = {
 }
 
 
-def make_policy(config: DecodeConfig | str, num_layers: int, **options: Any) -> Policy:
+def make_policy(
+    config: DecodeConfig | str,
+    num_layers: int,
+    *,
+    machine: MachineProfile | None = None,
+    learned: dict[tuple, Learned] | None = None,
+    budget: int | None = None,
+    **options: Any,
+) -> Policy:
     """The policy of `config` for a model with `num_layers` layers. `config` may be a strategy
-    name, and `options` update it (`DecodeConfig.updated`). Raises `ConfigError` for unknown
-    names and bad values."""
+    name, and `options` update it (`DecodeConfig.updated`). A policy that measures costs or
+    carries what earlier runs learned takes them from `machine` and `learned` (the loaded
+    model's) and knows the run makes at most `budget` new tokens. Raises `ConfigError` for
+    unknown names and bad values."""
     if isinstance(config, str):
         config, options = DecodeConfig(), {"strategy": config, **options}
     config = config.updated(**options) if options else config
-    policy = POLICIES[type(config.options)](num_layers, config.options)
+    policy: Policy
+    if isinstance(config.options, DELOptions):
+        policy = _dynamic_exit(num_layers, config.options, machine, learned, budget)
+    else:
+        policy = POLICIES[type(config.options)](num_layers, config.options)
     policy.name = config.strategy
     return policy
 

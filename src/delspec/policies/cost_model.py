@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from delspec.machine.cost_profile import CostProfile
-from delspec.machine.profile_store import mark_stale, store_correction
+from delspec.machine.store import mark_stale, store_correction
 from delspec.policies.protocol import Round
 
 Array = np.ndarray

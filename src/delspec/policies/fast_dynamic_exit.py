@@ -9,16 +9,15 @@ import time
 
 import numpy as np
 
-from delspec.cache import cache_dir
 from delspec.decode_config import DELOptions
 from delspec.drafting.context_drafts import MAX_NGRAM, MIN_NGRAM, NO_PROPOSAL, ContextProposal
 from delspec.drafting.exit_head import ExitHead
 from delspec.machine.cost_profile import CostProfile
-from delspec.machine.profile_store import cached_profile
+from delspec.machine.profile import MachineProfile
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
-from delspec.policies.fast_state import CONTEXT_PRIOR, LEARNED, ContextScore, Learned, Realized
+from delspec.policies.fast_state import CONTEXT_PRIOR, ContextScore, Learned, Realized
 from delspec.policies.protocol import Plan, Round
 from delspec.policies.shadow_scoring import ShadowScoring
 
@@ -113,16 +112,32 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
       positions, or one) are not carried. A corrected profile stays corrected for the process.
     """
 
-    def __init__(self, num_layers: int, options: DELOptions) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        options: DELOptions,
+        machine: MachineProfile | None = None,
+        learned: dict[tuple, Learned] | None = None,
+        budget: int | None = None,
+    ) -> None:
         super().__init__(num_layers, options)
         o = options
-        measured = o.cost == "measured"
-        self.prior = (1.0 if measured else 0.0) if o.prior is None else o.prior
         self.context_prior = CONTEXT_PRIOR if o.prior is None else o.prior
-        self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
         self.cost_name, self.no_draft, self.shadow_budget = o.cost, o.no_draft, o.shadow_budget
         self.runs, self.min_evidence = o.runs, o.min_evidence
         self.options, self.remember = o, o.remember
+        self._cost_settings(o.cost == "measured")
+        # where measured costs come from (None: a profile of the model's own made at start),
+        # what earlier runs with the same model learned (None: nothing carried), and the most
+        # new tokens this run may make (None: unbounded)
+        self.machine, self.memory, self.budget = machine, learned, budget
+
+    def _cost_settings(self, measured: bool) -> None:
+        """The settings that follow from whether costs are measured, where the options leave
+        them open."""
+        o = self.options
+        self.prior = (1.0 if measured else 0.0) if o.prior is None else o.prior
+        self.margin = (0.05 if measured and o.no_draft else 0.0) if o.margin is None else o.margin
         # The optimum d* is the draft cap unless drafting stops by confidence alone (the paper).
         self.cap_at_optimum = measured or not o.dynamic_draft
         plain = np.flatnonzero(self.draft_lengths == 0)
@@ -132,12 +147,17 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
 
     def start(self, exit_head: ExitHead) -> None:
         key = (self.options, type(exit_head), tuple(exit_head.vocab_sizes), exit_head.int8)
-        memory = LEARNED.setdefault(exit_head.model, {}) if self.remember else {}
+        memory = self.memory if self.remember and self.memory is not None else {}
         learned = memory.get(key)
-        if learned is not None:
+        if learned is not None and (isinstance(learned.cost, MeasuredCost) or not self.measures):
             self.cost = learned.cost
-        elif self.cost_name == "measured" and not isinstance(self.cost, MeasuredCost):
-            self.cost = MeasuredCost(self._profile(exit_head), self.num_layers)
+        elif self.measures and not isinstance(self.cost, MeasuredCost):
+            profile = self._profile(exit_head, budget=self.budget)
+            if profile is not None:
+                self.cost = MeasuredCost(profile, self.num_layers)
+        # a run too short to measure costs for (`MachineProfile.cost_profile`) runs as the
+        # paper's cost would
+        self._cost_settings(isinstance(self.cost, MeasuredCost))
         # Vocabulary levels to choose from: only a measured cost sees what a larger one costs.
         self.levels = len(exit_head.vocab_sizes) if isinstance(self.cost, MeasuredCost) else 1
         super().start(exit_head)
@@ -197,13 +217,22 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
             evidence = np.delete(evidence, self.final_rows)
         return bool(len(evidence)) and float(evidence.max()) >= max(1.0, self.min_evidence)
 
-    def _profile(self, exit_head: ExitHead, thorough: bool = False) -> CostProfile:
-        middle, costs = self.base_candidates[len(self.base_candidates) // 2], cache_dir() / "costs"
-        return cached_profile(exit_head, middle, self.draft_cap + 1, costs, thorough)
+    @property
+    def measures(self) -> bool:
+        """Whether the options ask for measured costs."""
+        return self.cost_name == "measured"
+
+    def _profile(
+        self, exit_head: ExitHead, thorough: bool = False, budget: int | None = None
+    ) -> CostProfile | None:
+        """The cost profile of this policy's setting (`MachineProfile.cost_profile`)."""
+        machine = self.machine or MachineProfile(exit_head.model)
+        middle = self.base_candidates[len(self.base_candidates) // 2]
+        return machine.cost_profile(exit_head, middle, self.draft_cap + 1, thorough, budget)
 
     def measure_costs(self, exit_head: ExitHead) -> None:
         """The cost profile, measured thoroughly where only a quick one (or none) is stored."""
-        if self.cost_name == "measured":
+        if self.measures:
             self._profile(exit_head, thorough=True)
 
     def plan(self, proposal: ContextProposal = NO_PROPOSAL) -> Plan:

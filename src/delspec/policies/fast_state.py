@@ -1,12 +1,12 @@
 """What `del-fast` keeps besides DEL's per-layer statistics: the realized speed of the rounds
 that ran (`Realized`), the acceptance of context proposals (`ContextScore`), and what one
-generation hands the next with the same model, head and options (`Learned`, kept in `LEARNED`).
+generation hands the next with the same model, head and options (`Learned`, kept by the loaded
+model: `LoadedModel.learned`).
 """
 
 from __future__ import annotations
 
 import bisect
-import weakref
 from dataclasses import dataclass
 
 from delspec.drafting.context_drafts import NO_PROPOSAL, POOL, ContextProposal
@@ -40,11 +40,6 @@ class Learned:
     realized: Realized
     cost: object  # MeasuredCost or LayerCost
     row_cost: float = 0.0  # measured seconds per scored (layer, position)
-
-
-# per model (weakly: a model no longer used is forgotten), per (options, head type, draft
-# vocabulary sizes, int8 drafts)
-LEARNED: weakref.WeakKeyDictionary[object, dict[tuple, Learned]] = weakref.WeakKeyDictionary()
 
 
 class Realized:

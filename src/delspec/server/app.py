@@ -20,7 +20,7 @@ from delspec.decode_config import DecodeConfig
 from delspec.decoding.run import ResolvedConfig, resolve
 from delspec.drafting.batch_drafts import BatchDrafts
 from delspec.errors import ConfigError, DelspecError, is_integer
-from delspec.machine.batching import measured_attention_span, measured_batch_seconds, paying_batch
+from delspec.machine.batching import paying_batch
 from delspec.server.metrics import Metrics, RequestCounter
 from delspec.server.protocol import (
     APIError,
@@ -94,18 +94,16 @@ def create_app(
     )
     # the decoding's cost profile read, or measured thoroughly, now: inside the first request
     # it would hold that request and every one queued behind it
-    policy, head = run.new_policy(), run.draft_head
-    policy.measure_costs(head)
-    policy.start(head)
+    run.warm_up()
     # a batched step's seconds by row count: what batches and their context drafts cost here
-    batch_seconds = measured_batch_seconds(lm.model) if max_batch != 1 else {}
+    batch_seconds = lm.machine.batch_seconds if max_batch != 1 else {}
     if max_batch is None:
         max_batch = paying_batch(batch_seconds) if batch_seconds else 1
         print(f"delspec: generating for up to {max_batch} requests at once", file=sys.stderr)
     names = tuple(dict.fromkeys([model_name or lm.name, *aliases]))
     metrics = Metrics(lm.model.num_layers)
     chunk = prefill_chunk or DEFAULT_PREFILL_CHUNK
-    span = measured_attention_span(lm.model)
+    span = lm.machine.attention_span
     drafts = BatchDrafts(batch_seconds)
     cache_mb = DEFAULT_PROMPT_CACHE_MB if prompt_cache_mb is None else prompt_cache_mb
     pool = DEFAULT_DRAFT_POOL_TOKENS if draft_pool_tokens is None else draft_pool_tokens

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from prometheus_client.core import Metric
 
 from delspec.errors import ConfigError
@@ -49,13 +48,13 @@ class Replica:
     """One server process: its model, threads and app; Ray Serve routes HTTP to the app."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        torch.set_num_threads(spec.threads)
         lm = load_model(
             spec.model,
             device=spec.device,
             dtype=spec.dtype,
             weights=spec.weights,
             huge_pages=spec.huge_pages,
+            threads=spec.threads,
         )
         options = {"aliases": (lm.name, spec.model), **spec.app_options}
         self.server = create_app(lm, **options)

@@ -185,10 +185,11 @@ def _entry(path: Path) -> Path:
 
 def token_scores(path: Path) -> np.ndarray | None:
     """GGUF file `path`'s `tokenizer.ggml.scores` (None where it has none): from its cache entry
-    where it has one, else from its header."""
-    stored = _entry(path) / TOKEN_SCORES
-    if stored.is_file():
-        return np.load(stored)
+    where it has one (which holds them wherever the file does), else from its header."""
+    entry = _entry(path)
+    if (entry / INDEX).is_file():
+        stored = entry / TOKEN_SCORES
+        return np.load(stored) if stored.is_file() else None
     scores = read_header(path).metadata.get("tokenizer.ggml.scores")
     return None if scores is None else np.asarray(scores, dtype=np.float32)
 
@@ -452,7 +453,12 @@ def _llama3_scaling(factors: Tensor, head_dim: int, theta: float) -> dict[str, A
 
 
 def block_count(path: Path) -> int:
-    """The number of layers GGUF file `path` declares (its header alone)."""
+    """The number of layers GGUF file `path` declares: from its cache entry where it has one,
+    else from its header (checked as a load checks it)."""
+    config = _entry(path) / "config.json"
+    if config.is_file():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return config_from_hf(json.loads(config.read_text())).num_layers
     header = _check_gguf(path)
     return int(header.metadata[f"{header.architecture}.block_count"])
 

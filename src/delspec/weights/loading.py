@@ -15,7 +15,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ import jinja2
 import torch
 
 from delspec.errors import LIBRARY_ERRORS, ConfigError, DelspecError, ModelFormatError
-from delspec.machine.kernel_choice import choose_kernels
+from delspec.machine.profile import MachineProfile
 from delspec.model.architectures import config_from_hf, token_ids
 from delspec.model.transformer import Transformer
 from delspec.weights.checkpoint import build_model
@@ -55,7 +55,9 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    """A ready-to-run model with its tokenizer."""
+    """A ready-to-run model with its tokenizer, what this machine measured for it (`machine`;
+    made for the thread count torch runs with now where not given), and what its runs learned
+    for the next (`learned`: per policy setting, kept by the policies that carry it)."""
 
     model: Transformer
     tokenizer: LightTokenizer | PreTrainedTokenizerBase  # light: a GGUF file's (`tokenizer`)
@@ -63,6 +65,12 @@ class LoadedModel:
     source: str  # the .gguf file or Hugging Face directory that was loaded
     eos_token_ids: tuple[int, ...]  # config, generation config and tokenizer EOS ids
     load_seconds: float | None = None  # how long `load_model` took
+    machine: MachineProfile = None  # type: ignore[assignment]  # None: made in __post_init__
+    learned: dict[tuple, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.machine is None:
+            self.machine = MachineProfile(self.model)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` (and the JSON descriptions of `tools`, for a template
@@ -114,6 +122,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     weights: str | None = None,
     huge_pages: bool = False,
+    threads: int | None = None,
 ) -> LoadedModel:
     """Load a named model (None = the default), a `.gguf` file or a Hugging Face directory.
 
@@ -123,7 +132,13 @@ def load_model(
     weights) or "float"; None picks native for GGUF files on CPU, float otherwise.
     `huge_pages`: native blocks in transparent huge pages (`kernels.blocks.advise_huge_pages`:
     fewer TLB misses in each step, a slower load).
+    `threads`: the threads it runs with (torch's for the process; None: as many as now), which
+    key every measurement of this machine (`MachineProfile`).
     """
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"threads must be at least 1, not {threads}")
+        torch.set_num_threads(threads)
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = _resolve_source(source)
@@ -241,11 +256,13 @@ def _load(
     reading = progress(wanted, len(wanted), "reading", 0 if blocks else source.size)
     state = {tensor: source.get(tensor) for tensor in reading}
     model = build_model(config, state, dtype=dtype, device=device, blocks=blocks, weights=weights)
-    choose_kernels(model)
+    machine = MachineProfile(model, torch.get_num_threads())
+    machine.choose_kernels()
     generation = directory / "generation_config.json"
     generation_eos = _read_json(generation).get("eos_token_id") if generation.is_file() else None
     eos = [*config.eos_token_ids, *token_ids(generation_eos), *token_ids(tokenizer.eos_token_id)]
-    return LoadedModel(model, tokenizer, name, str(path), tuple(dict.fromkeys(eos)))
+    eos_ids = tuple(dict.fromkeys(eos))
+    return LoadedModel(model, tokenizer, name, str(path), eos_ids, machine=machine)
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
