@@ -308,3 +308,14 @@ def test_output_paths_are_checked_before_the_work(no_model, capsys, tmp_path):
         assert main(argv) == 2, argv
         assert capsys.readouterr().err.startswith(f"delspec: error: {message}")
     assert sorted(tmp_path.iterdir()) == [file]  # nothing created
+
+
+def test_the_server_holds_native_weights_in_huge_pages_unless_told_not_to():
+    """A server's load is paid once and its steps for every request: huge pages by default
+    there, not for one-off commands; either way the flag decides."""
+    parse = build_parser().parse_args
+    assert parse(["serve"]).huge_pages and not parse(["serve", "--no-huge-pages"]).huge_pages
+    assert (
+        not parse(["generate", "hi"]).huge_pages
+        and parse(["generate", "hi", "--huge-pages"]).huge_pages
+    )

@@ -37,8 +37,11 @@ DECODE_FLAGS = (
 )
 
 
-def model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
-    """The model to load (`--model`, or an optional positional `model`) and where to run it."""
+def model_arguments(
+    parser: argparse.ArgumentParser, positional: bool = False, huge_pages: bool = False
+) -> None:
+    """The model to load (`--model`, or an optional positional `model`) and where to run it;
+    native weights in huge pages by default with `huge_pages` (a long-lived process)."""
     parser.add_argument(
         *(["model"] if positional else ["--model"]),
         **({"nargs": "?"} if positional else {}),
@@ -61,9 +64,10 @@ def model_arguments(parser: argparse.ArgumentParser, positional: bool = False) -
     )
     parser.add_argument(
         "--huge-pages",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=huge_pages,
         help="native weights in transparent huge pages: fewer TLB misses in each step, a slower "
-        "load (docs/models.md)",
+        f"load (docs/models.md; default: {'on' if huge_pages else 'off'})",
     )
 
 
