@@ -7,7 +7,8 @@ Two modes:
   real blocks) and M rows of activations, times `BlockWeight.__call__` against torch's kernels
   on the same tensor (int4pack for 4/5-bit types, int8pack, float32 `F.linear`) and the
   machine's streaming read bandwidth;
-- `--synthetic SHAPE[,SHAPE]` (large_model.py's shapes: Q4_K layers, a Q6_K head): every
+- `--synthetic SHAPE[,SHAPE]` (large_model.py's shapes: Q4_K layers, a Q6_K head, Q5_0 and Q8_0
+  where rows hold no whole 256-value block): every
   layer's products of one kind timed in turn (the weights stream from memory as in a step), M =
   1, 2, 4, 8, at 1 and 2 threads, as GB/s-equivalent and % of the read bandwidth measured at the
   same thread count; beside them llama-bench's tg (token generation) on the same synthetic GGUF
@@ -263,16 +264,19 @@ SYNTHETIC_THREADS = (1, 2)
 def synthetic_groups(shape: str) -> dict[str, tuple[gguf.GGMLQuantizationType, int, int, int]]:
     """large_model.py's `shape` as delspec multiplies it: per kind of product (q/k/v and
     gate/up fused, as the loader fuses them), (type, rows, cols, how many in a step)."""
-    from large_model import SHAPES
+    from large_model import SHAPES, block_type
 
     layers, hidden, ffn, heads, kv_heads, vocab = SHAPES[shape]
     kv = hidden // heads * kv_heads
-    return {
+    groups = {
         "qkv": (_T.Q4_K, hidden + 2 * kv, hidden, layers),
         "output": (_T.Q4_K, hidden, hidden, layers),
         "gate/up": (_T.Q4_K, 2 * ffn, hidden, layers),
         "down": (_T.Q4_K, hidden, ffn, layers),
         "head": (_T.Q6_K, vocab, hidden, 1),
+    }
+    return {
+        kind: (block_type(t, cols), rows, cols, n) for kind, (t, rows, cols, n) in groups.items()
     }
 
 

@@ -13,6 +13,7 @@ decode costs measured), and reports the growth of that cache.
     python benchmarks/large_model.py                 # the 8B shape (needs ~5 GB disk, ~7 GB RAM)
     python benchmarks/large_model.py --shape llama3.2-1b   # the same for a ~0.9 GB file
     python benchmarks/large_model.py --shape qwen2-1.5b    # Qwen2-1.5B's shape, a ~1.0 GB file
+    python benchmarks/large_model.py --shape qwen2-0.5b    # Qwen2-0.5B's shape, a ~0.5 GB file
     python benchmarks/large_model.py --shape small --out /tmp/large   # a 6 MB check
 
 Results go to `--out` (default benchmarks/results/large-model/): `{shape}.json` and `table.md`,
@@ -56,9 +57,23 @@ SHAPES = {  # layers, hidden, ffn, heads, kv heads, vocab
     # Qwen2-1.5B-Instruct's (head dim 128), untied: its embedding in Q4_K besides the Q6_K head
     # (the real, tied file keeps one Q6_K matrix for both) makes ~1.0 GB, the issue's class
     "qwen2-1.5b": (28, 1536, 8960, 12, 2, 151936),
+    # Qwen2-0.5B-Instruct's (head dim 64), untied: rows of 896 values hold no whole 256-value
+    # block, so (as llama.cpp's Q4_K_M does) those tensors are Q5_0 and the head Q8_0 (~0.4 GB)
+    "qwen2-0.5b": (24, 896, 4864, 14, 2, 151936),
     "small": (2, 512, 1536, 8, 2, 4096),
 }
-_Q4_K, _Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+_T = gguf.GGMLQuantizationType
+_Q4_K, _Q6_K = _T.Q4_K, _T.Q6_K
+# where each type's float16 scales lie in its blocks (the rest random bits)
+_SCALES_AT = {_T.Q4_K: (0, 2), _T.Q6_K: (208,), _T.Q5_0: (0,), _T.Q8_0: (0,)}
+
+
+def block_type(qtype: gguf.GGMLQuantizationType, cols: int) -> gguf.GGMLQuantizationType:
+    """`qtype`, or what llama.cpp's Q4_K_M takes instead for rows of `cols` values that hold no
+    whole 256-value block (Q5_0 for Q4_K, Q8_0 for Q6_K)."""
+    if cols % 256 == 0:
+        return qtype
+    return {_Q4_K: _T.Q5_0, _Q6_K: _T.Q8_0}.get(qtype, qtype)
 
 
 def write_model(path: Path, shape: str) -> None:
@@ -105,6 +120,7 @@ def write_model(path: Path, shape: str) -> None:
         if qtype is None:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
         else:
+            qtype = block_type(qtype, dims[-1])
             byte_shape = gguf.quant_shape_to_byte_shape(dims, qtype)
             nbytes = byte_shape[0] * byte_shape[1]
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
@@ -113,6 +129,7 @@ def write_model(path: Path, shape: str) -> None:
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for _name, dims, qtype in tensors:
+        qtype = None if qtype is None else block_type(qtype, dims[-1])
         writer.write_tensor_data(_random_tensor(rng, dims, qtype))
     writer.close()
     scratch.replace(path)
@@ -121,14 +138,14 @@ def write_model(path: Path, shape: str) -> None:
 def _random_tensor(
     rng: np.random.Generator, dims: tuple[int, ...], qtype: gguf.GGMLQuantizationType | None
 ) -> np.ndarray:
-    """Norm scales of 1, or `qtype` blocks of random bits with float16 scales about 1e-3 (Q4_K:
-    d and dmin at bytes 0..3 of each 144; Q6_K: d at bytes 208..209 of each 210)."""
+    """Norm scales of 1, or `qtype` blocks of random bits with float16 scales about 1e-3 where
+    `_SCALES_AT` says (Q4_K: d and dmin at bytes 0..3 of each 144; Q6_K: d at bytes 208..209 of
+    each 210; Q5_0 and Q8_0: d at bytes 0..1)."""
     if qtype is None:
         return np.ones(dims, np.float32)
     values, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (dims[0], dims[1] // values, size), dtype=np.uint8)
-    scale_at = (0, 2) if qtype == _Q4_K else (208,)
-    for at in scale_at:
+    for at in _SCALES_AT[qtype]:
         scales = rng.uniform(5e-4, 2e-3, blocks.shape[:2]).astype(np.float16)
         blocks[:, :, at : at + 2] = scales[..., None].view(np.uint8).reshape(*scales.shape, 2)
     return blocks.reshape(dims[0], -1)
@@ -290,10 +307,12 @@ def render_table(report: dict) -> str:
         "",
         peer_line(report),
         "",
-        "Random weights (Q4_K layers and embedding, Q6_K head), so only speed and memory mean "
+        "Random weights (Q4_K layers and embedding, Q6_K head; Q5_0 and Q8_0 where rows hold no "
+        "whole 256-value block), so only speed and memory mean "
         "anything. Each run is a fresh process. A first load runs in a fresh cache that holds "
         "only the compiled kernels: it reads the metadata into the cache and times the product "
-        "kernels (and `delspec generate` measures the decode costs quickly); cache growth is "
+        "kernels (a `delspec generate` of 8 tokens measures no decode costs: too short to repay "
+        "them); cache growth is "
         "that cache's across it.",
         "",
         "| run | load s | peak RSS MB | cache growth MB | prefill tok/s | decode tok/s |",
