@@ -15,6 +15,8 @@ from tiny_models import tiny_hf_gemma3
 from transformers import Gemma3TextConfig
 
 from delspec.bench.backends import load_transformers_model
+from delspec.decode_config import DecodeConfig
+from delspec.drafting.draft_head import draft_head
 from delspec.errors import ModelFormatError
 from delspec.model.architectures import config_from_hf
 from delspec.weights.checkpoint import build_model
@@ -145,3 +147,18 @@ def test_gemma3_270m_matches_transformers():
     ours, theirs = loaded.model(ids), reference(ids[None]).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
     assert loaded.tokenizer.decode(ours[-1:].argmax(-1)) == " the"
+
+
+def test_gemma3_270m_drafts_with_the_characters_every_text_uses():
+    """Gemma's vocabulary lists its single characters after its 236k merges: the smallest draft
+    vocabulary still holds the digits, the punctuation and the bare space."""
+    entry = NAMED_MODELS["gemma3-270m"]
+    if importlib.util.find_spec(entry.package) is None:
+        pytest.skip(f"Gemma-3-270M is not installed; install it with: {entry.install}")
+    lm = load_model("gemma3-270m")
+    head = draft_head(lm, DecodeConfig())
+    smallest = set(head.vocabs[0].tolist())
+    text = "0123456789 .,:;!?()[]{}#=+-*/_'\"<>"
+    ids = [lm.tokenizer.encode(c, add_special_tokens=False) for c in text]
+    assert all(len(one) == 1 and one[0] in smallest for one in ids)
+    assert len(smallest) == head.vocab_sizes[0] < lm.model.config.vocab_size
