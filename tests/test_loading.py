@@ -384,6 +384,8 @@ def test_a_gguf_file_s_token_scores_are_read_from_its_cache_entry(tmp_path, cach
     load_model(path)
     (stored,) = cache.rglob(gguf_file.TOKEN_SCORES)
     assert np.load(stored).tolist() == scores
+    (characters,) = cache.rglob(gguf_file.BYTE_CHARACTERS)  # what the ranking puts first
+    assert np.load(characters).tolist() == [gguf_file.byte_character(t) for t in TOKENS]
     assert torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)
     np.save(stored, -np.asarray(scores, dtype=np.float32))  # read from the entry, not the file
     assert not torch.equal(fallback_ranking(path, len(TOKENS) + 2), before)

@@ -108,7 +108,7 @@ def calibrate(
     start = time.perf_counter()
     sequences = _continuations(lm, prompts, max_new_tokens, temperature, seed, progress)
     generate_s = time.perf_counter() - start
-    fallback = fallback_ranking(lm.source, lm.model.config.vocab_size, lm.tokenizer)
+    fallback = fallback_ranking(lm.source, lm.model.config.vocab_size)
     adapters = fit_adapters(
         lm.model, sequences, fallback=fallback, seed=seed, progress=progress, **options
     )

@@ -21,12 +21,7 @@ from torch import Tensor
 
 from delspec.decode_config import DecodeConfig, default_draft_vocab
 from delspec.drafting.adapters import ExitAdapters, adapt, check_model, find_adapters, load_adapters
-from delspec.drafting.draft_vocab import (
-    Vocabulary,
-    draft_vocabularies,
-    fallback_ranking,
-    vocabulary_sizes,
-)
+from delspec.drafting.draft_vocab import draft_vocabularies, fallback_ranking, vocabulary_sizes
 from delspec.drafting.exit_head import ExitHead, int8_drafts
 from delspec.errors import ConfigError, ModelFormatError
 from delspec.kernels.products import Int8Weight, int8_supported
@@ -274,9 +269,7 @@ def build_draft_head(lm: LoadedModel, spec: DraftSpec) -> ExitHead:
         return DraftHead(lm.model, adapters, vocab, spec.context_vocab, spec.int8)
     if spec.stamp is None and sizes is None:
         return ExitHead(lm.model, spec.int8)
-    return _cached_head(
-        lm.model, lm.source, lm.tokenizer, spec.stamp, sizes, spec.context_vocab, spec.int8
-    )
+    return _cached_head(lm.model, lm.source, spec.stamp, sizes, spec.context_vocab, spec.int8)
 
 
 def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
@@ -288,7 +281,6 @@ def draft_head(lm: LoadedModel, config: DecodeConfig) -> ExitHead:
 def _cached_head(
     model: Transformer,
     source: str,
-    tokenizer: Vocabulary | None,
     stamp: tuple[str, int, int] | None,
     sizes: tuple[int | None, ...] | None,
     context_vocab: bool,
@@ -300,6 +292,6 @@ def _cached_head(
         if adapters is not None:
             ranking = adapters.ranking
         else:
-            ranking = fallback_ranking(source, model.config.vocab_size, tokenizer)
+            ranking = fallback_ranking(source, model.config.vocab_size)
         vocab = draft_vocabularies(ranking, sizes)
     return DraftHead(model, adapters, vocab, context_vocab, int8)

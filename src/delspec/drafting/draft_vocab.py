@@ -10,58 +10,38 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError
-from delspec.weights.gguf_file import token_scores
-
-WORD_START = "\u2581"  # SentencePiece's mark of a space before a word
+from delspec.weights.gguf_file import byte_characters, token_scores
 
 
-def fallback_ranking(
-    source: str | os.PathLike, vocab_size: int, tokenizer: Vocabulary | None = None
-) -> Tensor:
+def fallback_ranking(source: str | os.PathLike, vocab_size: int) -> Tensor:
     """A token ranking without calibration data: tokenizer scores, else token id order.
 
     A GGUF file's `tokenizer.ggml.scores` (SentencePiece: unigram log-probabilities, or minus
     the merge rank for BPE vocabularies such as Gemma's) rank tokens by descending score, ties
     by id. A SentencePiece BPE vocabulary lists its single characters after every merge, so by
-    score alone digits, punctuation and the bare space would rank last; with the `tokenizer`
-    (its pieces by id), the single characters of the byte range (code points below 256, the
-    word-start mark read as a space), which texts in every language use, come first, in their
-    own order. Otherwise ids are taken in order, which follows the merge order (a frequency
-    proxy) for byte-level BPE vocabularies such as SmolLM2's, whose bytes come first. Model rows
-    beyond the tokenizer come last.
+    score alone digits, punctuation and the bare space would rank last: the file's single
+    characters of the byte range (`byte_characters`), which texts in every language use, come
+    first, in their own order. Otherwise ids are taken in order, which follows the merge order
+    (a frequency proxy) for byte-level BPE vocabularies such as SmolLM2's, whose bytes come
+    first. Model rows beyond the tokenizer come last.
     """
-    scores = _gguf_scores(Path(source))
+    path = Path(source)
+    scores = _gguf_scores(path)
     if scores is None:
         return torch.arange(vocab_size)
     scores = scores[:vocab_size]
     order = np.argsort(-scores, kind="stable")
-    if tokenizer is not None:
-        common = byte_range_characters(tokenizer, len(scores))[order]
-        order = np.concatenate([order[common], order[~common]])
+    common = np.zeros(len(scores), dtype=bool)
+    found = byte_characters(path)[: len(scores)]
+    common[: len(found)] = found
+    order = np.concatenate([order[common[order]], order[~common[order]]])
     return torch.cat([torch.from_numpy(order).long(), torch.arange(len(scores), vocab_size)])
-
-
-class Vocabulary(Protocol):
-    """What `fallback_ranking` reads of a tokenizer: its pieces and their ids."""
-
-    def get_vocab(self) -> dict[str, int]: ...
-
-
-def byte_range_characters(tokenizer: Vocabulary, size: int) -> np.ndarray:
-    """Per token id below `size`, whether its piece is one character of the byte range (code
-    point below 256), SentencePiece's word-start mark read as a space."""
-    chosen = np.zeros(size, dtype=bool)
-    for piece, token in tokenizer.get_vocab().items():
-        if 0 <= token < size and len(piece) == 1 and ord(piece.replace(WORD_START, " ")) < 256:
-            chosen[token] = True
-    return chosen
 
 
 def _gguf_scores(path: Path) -> np.ndarray | None:

@@ -74,6 +74,10 @@ INDEX = "gguf-tensors.json"  # in the cache entry: the file's tensors
 # from a pruned vocabulary ranks tokens by them, and reading them from the header parses every
 # token's text too
 TOKEN_SCORES = "token-scores.npy"
+# ...and beside them, per token, whether it is one character of the byte range
+# (`byte_character`): the scores rank those last in a SentencePiece BPE vocabulary
+BYTE_CHARACTERS = "byte-characters.npy"
+WORD_START = "\u2581"  # SentencePiece's mark of a space before a word
 # ggml tensor types that the gguf package dequantises (floats, legacy, K- and I-quants).
 _T = gguf.GGMLQuantizationType
 SUPPORTED_GGML_TYPES = frozenset(
@@ -228,6 +232,24 @@ def _describe(path: Path, out: Path) -> None:
     scores = header.metadata.get("tokenizer.ggml.scores")
     if scores is not None:
         np.save(out / TOKEN_SCORES, np.asarray(scores, dtype=np.float32))
+        pieces = header.metadata.get("tokenizer.ggml.tokens", [])
+        np.save(out / BYTE_CHARACTERS, np.array([byte_character(p) for p in pieces], dtype=bool))
+
+
+def byte_character(piece: str) -> bool:
+    """Whether token `piece` is one character of the byte range (code point below 256: digits,
+    punctuation, spaces, Latin letters), SentencePiece's word-start mark read as a space."""
+    return len(piece) == 1 and ord(piece.replace(WORD_START, " ")) < 256
+
+
+def byte_characters(path: Path) -> np.ndarray:
+    """Per token id of GGUF file `path`, whether it is a `byte_character`: from its cache entry
+    where that holds them (files with token scores), else from its header."""
+    stored = _entry(path) / BYTE_CHARACTERS
+    if stored.is_file():
+        return np.load(stored)
+    pieces = read_header(path).metadata.get("tokenizer.ggml.tokens", [])
+    return np.array([byte_character(p) for p in pieces], dtype=bool)
 
 
 def _probe(processor: TensorProcessor, name: str, dims: tuple[int, ...]) -> Any:
