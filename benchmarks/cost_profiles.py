@@ -27,7 +27,7 @@ from delspec.decoding.generate import encode_prompt
 from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import draft_head
 from delspec.machine.profile import MachineProfile
-from delspec.policies import make_policy
+from delspec.policies import PolicyInputs, make_policy
 from delspec.policies.cost_model import MeasuredCost
 
 TASKS = ("humaneval", "gsm8k", "summarization", "continuation", "mtbench")
@@ -67,7 +67,9 @@ def main() -> None:
                 if name == "ar":
                     policy = make_policy("ar", model.num_layers)
                 else:
-                    policy = make_policy(config, model.num_layers, learned=learned[name])
+                    policy = make_policy(
+                        config, model.num_layers, PolicyInputs(learned=learned[name])
+                    )
                     policy.cost = MeasuredCost(profiles[name], model.num_layers)
                 out = Decoding(
                     model,

@@ -15,7 +15,7 @@ from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
-from delspec.policies import fast_dynamic_exit, make_policy
+from delspec.policies import PolicyInputs, fast_dynamic_exit, make_policy
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fast_dynamic_exit import HELD_BATCH, FastDynamicExit
 from delspec.policies.protocol import Round
@@ -461,12 +461,12 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     expected = Decoding(model, prompt, make_policy("ar", model.num_layers), max_new_tokens=40).run()
     memory = {}  # what the model's runs learned, kept by its owner (`LoadedModel.learned`)
 
-    first = make_policy("del-fast", model.num_layers, learned=memory)
+    first = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
     got = Decoding(model, prompt, first, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert first.warmup_window > 0 and got.trace[0]["scored_layers"] > 0  # a warm-up
 
-    second = make_policy("del-fast", model.num_layers, learned=memory)
+    second = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
     got = Decoding(model, prompt, second, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids
     assert second.warmup_window == 0 and got.trace[0]["scored_layers"] == 0  # none
@@ -475,16 +475,17 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     # of evidence: less of a long run's, all of a short one's (which would otherwise shrink
     # away over a run of short replies, each then paying a warm-up again)
     for learned, carried in ((48.0, 6.0), (3.0, 3.0), (3.0, 3.0)):
-        latest = make_policy("del-fast", model.num_layers, learned=memory)
+        latest = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
         latest.start(head.for_prompt(prompt))
         latest.stats.matched[:], latest.stats.mismatched[:] = learned, learned / 3  # learned
-        then = make_policy("del-fast", model.num_layers, learned=memory)
+        then = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
         then.start(head.for_prompt(prompt))
         assert then.warmup_window == 0
         np.testing.assert_allclose(then.stats.matched, carried)
         np.testing.assert_allclose(then.stats.mismatched, carried / 3)
 
-    alone = make_policy("del-fast", model.num_layers, learned=memory, remember=False)  # opted out
+    opted_out = {"remember": False}
+    alone = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory), **opted_out)
     assert memory  # the first runs left what they learned with their owner
     got = Decoding(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0

@@ -23,7 +23,7 @@ from delspec.decoding.sequence import Decoding
 from delspec.drafting.draft_head import DraftSpec, build_draft_head, draft_spec
 from delspec.drafting.draft_pool import DraftPool
 from delspec.drafting.exit_head import ExitHead
-from delspec.policies import make_policy
+from delspec.policies import PolicyInputs, make_policy
 from delspec.policies.protocol import Policy
 
 if TYPE_CHECKING:
@@ -50,9 +50,8 @@ class ResolvedConfig:
         unbounded; the config is checked already), with the loaded model's machine profile and
         what its earlier runs learned."""
         lm = self.lm
-        return make_policy(
-            self.config, lm.model.num_layers, machine=lm.machine, learned=lm.learned, budget=budget
-        )
+        inputs = PolicyInputs(lm.machine, lm.learned, budget)
+        return make_policy(self.config, lm.model.num_layers, inputs)
 
     def warm_up(self) -> None:
         """Build the draft head and measure now what a first run would otherwise measure inside

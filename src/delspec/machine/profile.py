@@ -86,7 +86,8 @@ class MachineProfile:
         run of at most `budget` new tokens when that is under `QUICK_PROFILE_STEPS`. Draft head
         timings are kept per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is
         measured and added."""
-        path = store.profile_path(self.directory, profile_key(exit_head, self.threads))
+        key = profile_key(exit_head, self.threads)
+        path = store.profile_path(self.directory, key)
         vocab = ",".join(map(str, exit_head.vocab_sizes))
         known = self.profiles.get((path, vocab))
         if known is not None and len(known.layer) >= max_tokens and not (thorough and known.quick):
@@ -113,7 +114,7 @@ class MachineProfile:
                 draft_heads[vocab] = profile.draft_head
                 profile.settled = profile.settled and settled  # an unsettled profile stays so
                 store.write_profile(path, profile, draft_heads)
-        profile.key = path.stem.removeprefix("profile-")
+        profile.key = key
         self.profiles[path, vocab] = profile
         return profile
 

@@ -15,10 +15,9 @@ from delspec.decode_config import (
     NoOptions,
     StaticOptions,
 )
-from delspec.machine.profile import MachineProfile
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.fast_dynamic_exit import FastDynamicExit
-from delspec.policies.fast_state import Learned
+from delspec.policies.fast_state import NO_INPUTS, PolicyInputs
 from delspec.policies.fixed import (
     Autoregressive,
     ContextLookup,
@@ -30,16 +29,12 @@ from delspec.policies.protocol import Plan, Policy
 
 
 def _dynamic_exit(
-    num_layers: int,
-    options: DELOptions,
-    machine: MachineProfile | None = None,
-    learned: dict[tuple, Learned] | None = None,
-    budget: int | None = None,
+    num_layers: int, options: DELOptions, inputs: PolicyInputs = NO_INPUTS
 ) -> DynamicExit:
-    """The paper's DEL, or `FastDynamicExit` (with `make_policy`'s `machine`, `learned` and
-    `budget`) when `options` turn on any of its additions."""
+    """The paper's DEL, or `FastDynamicExit` (with `inputs`) when `options` turn on any of its
+    additions."""
     if options.uses_fast_additions:
-        return FastDynamicExit(num_layers, options, machine, learned, budget)
+        return FastDynamicExit(num_layers, options, inputs)
     return DynamicExit(num_layers, options)
 
 
@@ -58,27 +53,23 @@ POLICIES: dict[type, Callable[[int, Any], Policy]] = {
 def make_policy(
     config: DecodeConfig | str,
     num_layers: int,
-    *,
-    machine: MachineProfile | None = None,
-    learned: dict[tuple, Learned] | None = None,
-    budget: int | None = None,
+    inputs: PolicyInputs = NO_INPUTS,
     **options: Any,
 ) -> Policy:
     """The policy of `config` for a model with `num_layers` layers. `config` may be a strategy
     name, and `options` update it (`DecodeConfig.updated`). A policy that measures costs or
-    carries what earlier runs learned takes them from `machine` and `learned` (the loaded
-    model's) and knows the run makes at most `budget` new tokens. Raises `ConfigError` for
-    unknown names and bad values."""
+    carries what earlier runs learned takes them, and the run's budget, from `inputs`. Raises
+    `ConfigError` for unknown names and bad values."""
     if isinstance(config, str):
         config, options = DecodeConfig(), {"strategy": config, **options}
     config = config.updated(**options) if options else config
     policy: Policy
     if isinstance(config.options, DELOptions):
-        policy = _dynamic_exit(num_layers, config.options, machine, learned, budget)
+        policy = _dynamic_exit(num_layers, config.options, inputs)
     else:
         policy = POLICIES[type(config.options)](num_layers, config.options)
     policy.name = config.strategy
     return policy
 
 
-__all__ = ["POLICIES", "STRATEGIES", "Plan", "Policy", "make_policy"]
+__all__ = ["POLICIES", "STRATEGIES", "Plan", "Policy", "PolicyInputs", "make_policy"]

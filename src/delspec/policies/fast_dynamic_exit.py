@@ -17,7 +17,14 @@ from delspec.machine.profile import MachineProfile
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
-from delspec.policies.fast_state import CONTEXT_PRIOR, ContextScore, Learned, Realized
+from delspec.policies.fast_state import (
+    CONTEXT_PRIOR,
+    NO_INPUTS,
+    ContextScore,
+    Learned,
+    PolicyInputs,
+    Realized,
+)
 from delspec.policies.protocol import Plan, Round
 from delspec.policies.shadow_scoring import ShadowScoring
 
@@ -113,12 +120,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
     """
 
     def __init__(
-        self,
-        num_layers: int,
-        options: DELOptions,
-        machine: MachineProfile | None = None,
-        learned: dict[tuple, Learned] | None = None,
-        budget: int | None = None,
+        self, num_layers: int, options: DELOptions, inputs: PolicyInputs = NO_INPUTS
     ) -> None:
         super().__init__(num_layers, options)
         o = options
@@ -127,10 +129,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
         self.runs, self.min_evidence = o.runs, o.min_evidence
         self.options, self.remember = o, o.remember
         self._cost_settings(o.cost == "measured")
-        # where measured costs come from (None: a profile of the model's own made at start),
-        # what earlier runs with the same model learned (None: nothing carried), and the most
-        # new tokens this run may make (None: unbounded)
-        self.machine, self.memory, self.budget = machine, learned, budget
+        self.machine, self.memory, self.budget = inputs.machine, inputs.learned, inputs.budget
 
     def _cost_settings(self, measured: bool) -> None:
         """The settings that follow from whether costs are measured, where the options leave

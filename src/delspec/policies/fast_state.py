@@ -10,6 +10,7 @@ import bisect
 from dataclasses import dataclass
 
 from delspec.drafting.context_drafts import NO_PROPOSAL, POOL, ContextProposal
+from delspec.machine.profile import MachineProfile
 from delspec.policies.exit_statistics import ExitStatistics, position_sums
 from delspec.policies.protocol import Round
 
@@ -40,6 +41,21 @@ class Learned:
     realized: Realized
     cost: object  # MeasuredCost or LayerCost
     row_cost: float = 0.0  # measured seconds per scored (layer, position)
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a `FastDynamicExit` takes from outside its options: where its measured costs come
+    from (the loaded model's `MachineProfile`; None: one of the model's own, made at start),
+    what earlier runs with the same model learned (`LoadedModel.learned`; None: nothing
+    carried), and the most new tokens this run may make (None: unbounded)."""
+
+    machine: MachineProfile | None = None
+    learned: dict[tuple, Learned] | None = None
+    budget: int | None = None
+
+
+NO_INPUTS = PolicyInputs()  # nothing from outside: a profile of the model's own, nothing carried
 
 
 class Realized:
