@@ -47,7 +47,7 @@ class MethodSpec:
 
 METHODS: dict[str, MethodSpec] = {
     "ar": MethodSpec(
-        "ar", PAPER_OPTIONS, description="vanilla autoregressive greedy decoding (the reference)"
+        "ar", PAPER_OPTIONS, description="vanilla autoregressive decoding (the reference)"
     ),
     "del": MethodSpec(
         "del", PAPER_OPTIONS, description="DEL: dynamic exit layer + dynamic draft exiting"
@@ -86,7 +86,7 @@ METHODS: dict[str, MethodSpec] = {
         "greedy",
         backend="transformers",
         peer=True,
-        description="transformers model.generate, greedy, same weights",
+        description="transformers model.generate, same weights",
     ),
     "hf-early-exit": MethodSpec(
         "early-exit",
@@ -99,7 +99,7 @@ METHODS: dict[str, MethodSpec] = {
         backend="transformers",
         peer=True,
         description="transformers generate(prompt_lookup_num_tokens=d, max_matching_ngram_size="
-        "ngram), greedy, same weights: prompt-lookup decoding, up to d drafts per round copied "
+        "ngram), same weights: prompt-lookup decoding, up to d drafts per round copied "
         "from where the context's last ngram tokens occurred before (d=10, ngram=2)",
     ),
     "economize-early-exit": MethodSpec(
@@ -112,7 +112,7 @@ METHODS: dict[str, MethodSpec] = {
         "greedy",
         backend="llama-cpp",
         peer=True,
-        description="llama.cpp (llama-cpp-python), greedy, on the same GGUF file (its own "
+        description="llama.cpp (llama-cpp-python) on the same GGUF file (its own "
         "kernels; a quantized file's weights stay quantized); option n_ctx",
     ),
     "llama-cpp-lookup": MethodSpec(
@@ -120,7 +120,7 @@ METHODS: dict[str, MethodSpec] = {
         backend="llama-cpp",
         peer=True,
         description="llama-cpp-python's prompt-lookup decoding (LlamaPromptLookupDecoding("
-        "num_pred_tokens=d, max_ngram_size=ngram), d=10, ngram=2), greedy, on the same GGUF "
+        "num_pred_tokens=d, max_ngram_size=ngram), d=10, ngram=2), on the same GGUF "
         "file as llama-cpp; options d, ngram, n_ctx",
     ),
 }

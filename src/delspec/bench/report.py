@@ -258,7 +258,7 @@ def _details_notes(result: BenchResult) -> list[str]:
 
 
 def _method_notes(result: BenchResult) -> list[str]:
-    lines = ["## Methods", ""]
+    lines = ["## Methods", "", f"Decoding, for every method: {_decoding(result.settings)}.", ""]
     for label, info in result.methods.items():
         options = ", ".join(f"{k}={v}" for k, v in info["options"].items())
         lines.append(f"- `{label}`: {info['description']}" + (f" ({options})" if options else ""))
