@@ -15,7 +15,7 @@ from delspec.decoding.sequence import Decoding
 from delspec.drafting.context_drafts import NO_PROPOSAL, ContextProposal
 from delspec.drafting.draft_head import DraftHead
 from delspec.drafting.exit_head import ExitHead
-from delspec.policies import PolicyInputs, fast_dynamic_exit, make_policy
+from delspec.policies import PolicyInputs, fast_dynamic_exit, fast_state, make_policy
 from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.fast_dynamic_exit import HELD_BATCH, FastDynamicExit
 from delspec.policies.protocol import Round
@@ -489,6 +489,43 @@ def test_a_generation_starts_from_what_the_previous_one_learned(tmp_path, monkey
     assert memory  # the first runs left what they learned with their owner
     got = Decoding(model, prompt, alone, max_new_tokens=40, exit_head=head, trace=True).run()
     assert got.token_ids == expected.token_ids and got.trace[0]["scored_layers"] > 0
+
+
+def test_a_carried_verdict_against_layer_drafts_is_judged_again_within_a_bound(
+    tmp_path, monkeypatch
+):
+    """A generation that found its layer drafts slower than plain steps (a busy moment) hands
+    the next one that verdict with at most CARRIED_ROUNDS rounds of each kind behind it: the
+    same rates, so it starts from the verdict, but once the new generation's plain rounds have
+    decayed them below REALIZED_ROUNDS, layer drafts are judged again from its own rounds."""
+    monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
+    model = tiny_model(seed=5, shallow=2)
+    head = DraftHead(model, vocab=[torch.arange(16), None], context_vocab=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    memory = {}
+    first = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
+    Decoding(model, prompt, first, max_new_tokens=24, exit_head=head).run()
+    for _ in range(60):  # a long run in which layer drafts lost: 60 tokens/s against 100
+        _ran(first, 0, 1, 0.01)
+        _ran(first, 4, 3, 0.05)
+    assert first.realized.verdict() == "lose"
+    assert first.realized.sums["layer"][2] > 2 * fast_state.CARRIED_ROUNDS  # more than it hands on
+
+    second = make_policy("del-fast", model.num_layers, PolicyInputs(learned=memory))
+    second.start(head.for_prompt(prompt))
+    carried = second.realized
+    assert carried is not first.realized and carried.verdict() == "lose"
+    for kind in ("plain", "layer"):
+        tokens, seconds, rounds = carried.sums[kind]
+        before = first.realized.sums[kind]
+        assert rounds == pytest.approx(fast_state.CARRIED_ROUNDS)
+        assert tokens / seconds == pytest.approx(before[0] / before[1])  # the same rates
+    plain_rounds = 0
+    while carried.verdict() == "lose":
+        _ran(second, 0, 1, 0.01)
+        plain_rounds += 1
+    assert carried.verdict() == "draft"  # too little evidence left: layer drafts run again
+    assert plain_rounds == 23  # 6 rounds decayed by 0.97 a round fall below 3 after 23
 
 
 def test_policy_work_is_noted_apart_for_rounds_with_layer_drafts():

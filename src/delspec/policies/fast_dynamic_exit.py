@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from delspec.policies.cost_model import MeasuredCost
 from delspec.policies.dynamic_exit import DynamicExit
 from delspec.policies.exit_statistics import ExitStatistics, best_plan, expected_tokens
 from delspec.policies.fast_state import (
+    CARRIED_ROUNDS,
     CONTEXT_PRIOR,
     NO_INPUTS,
     ContextScore,
@@ -194,7 +194,7 @@ class FastDynamicExit(ShadowScoring, DynamicExit):
             self.stats = learned.stats.capped(CARRIED_EVIDENCE)
             self.context_score.learned(learned.context.capped(CARRIED_EVIDENCE))
             self.below = learned.below.capped(CARRIED_EVIDENCE)
-            self.realized = copy.deepcopy(learned.realized)
+            self.realized = learned.realized.capped(CARRIED_ROUNDS)
             self.warmup_window = 0  # no warm-up: the statistics are there
             self._choose()
             self.collect_hidden = self._will_score_next()
