@@ -73,14 +73,17 @@ def _version(package: str) -> str | None:
 
 
 def read_bandwidth(size: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
-    """Streaming read bandwidth now (GB/s): the fastest of `repeats` sums of a float32 tensor of
-    `size` bytes. Other work on the host (another VM's included) lowers it, the more so for a
-    size that a quiet host's last-level cache would mostly hold."""
+    """Streaming read bandwidth now (GB/s): the fastest of `repeats` sums and as many maxima,
+    taking turns, of a float32 tensor of `size` bytes (torch's sum carries a chain of additions
+    that can hold it below what the memory delivers; its maximum less so). Other work on the host
+    (another VM's included) lowers it, the more so for a size that a quiet host's last-level
+    cache would mostly hold."""
     data = torch.ones(max(size // 4, 1))
-    data.sum()
+    data.sum(), data.amax()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
+        for read in (torch.sum, torch.amax):
+            start = time.perf_counter()
+            read(data)
+            best = min(best, time.perf_counter() - start)
     return data.nbytes / best / 1e9
