@@ -17,8 +17,8 @@ from delspec.policies.protocol import Round
 REALIZED_ROUNDS = 3.0  # (decayed) rounds of exit-layer drafts before their realized speed counts
 # The most (decayed) rounds of each kind a generation's carried realized speeds cover: a verdict
 # formed under another moment's load (a busy host) is judged again from the new generation's own
-# rounds once they decay below REALIZED_ROUNDS, about 23 rounds in, not after however long the
-# previous generations ran.
+# rounds once they decay below REALIZED_ROUNDS (23 rounds in at the default decay), not after
+# however long the previous generations ran.
 CARRIED_ROUNDS = 2 * REALIZED_ROUNDS
 PLAIN_SEEN = 0.25  # (decayed) plain rounds that still tell what a plain step delivers now
 # Unseen misses counted for the shortest context matches (under the default `prior`), and the
@@ -76,11 +76,11 @@ class Realized:
     def capped(self, rounds: float) -> Realized:
         """A copy in which neither kind covers more than `rounds` rounds (a kind that covered
         more scaled down to it): the same rates, no more evidence."""
-        copy = Realized(self.decay)
+        carried = Realized(self.decay)
         for kind, (tokens, seconds, count) in self.sums.items():
             scale = min(1.0, rounds / count) if count > 0 else 1.0
-            copy.sums[kind] = [tokens * scale, seconds * scale, count * scale]
-        return copy
+            carried.sums[kind] = [tokens * scale, seconds * scale, count * scale]
+        return carried
 
     def add(self, record: Round, overhead: float) -> None:
         """Count a finished round (of either kind; a context-only round only decays them),
