@@ -6,6 +6,7 @@ greedy pick and logsumexp of rows of scores against torch's."""
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from tiny_models import tiny_model
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
 from delspec.kernels.layers import LayerKernels, prompt_tiles_ready
-from delspec.kernels.scores import top_logsumexp
+from delspec.kernels.scores import row_mass, top_logsumexp
 from delspec.model.modules import apply_rope, rope_inv_freq, rope_table
 from delspec.model.transformer import Transformer
 
@@ -365,3 +366,25 @@ def test_top_logsumexp_matches_torch_and_takes_the_first_of_equal_maxima(width):
     torch.testing.assert_close(reference[2].float(), lse)
     with pytest.raises(ValueError, match="no columns"):
         top_logsumexp(scores[:, :0])
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 262147])
+def test_row_mass_is_numpy_s_to_float32_rounding(width):
+    """A sampled draw's mass of a whole float32 row (the sum of e^(z * scale - shift)), compiled:
+    each term within a few float32 roundings of the exact exponential of the same float32
+    argument (numpy's float32 exp is within one), on every path (vector lanes and the tail),
+    for arguments down to and past float32's smallest normal exponential; the sum numpy's."""
+    rng = np.random.default_rng(width)
+    row = (rng.standard_normal(width) * 12).astype(np.float32)
+    scale, shift = 1 / 0.7, float(row.max()) / 0.7
+    z = row * np.float32(scale) - np.float32(shift)  # the float32 arguments numpy makes
+    inside = z >= -87.0  # below, the kernel takes e^-87 (a value numpy's float32 rounds to 0)
+    exact = np.exp(z.astype(np.float64))
+    terms = np.array([row_mass(row[i : i + 1], scale, shift) for i in range(min(width, 4000))])
+    n = len(terms)
+    assert np.abs(terms[inside[:n]] / exact[:n][inside[:n]] - 1).max() < 3e-7
+    assert (terms[~inside[:n]] < 2e-38).all()
+    numpy_sum = float(np.exp(z).sum(dtype=np.float64))
+    assert row_mass(row, scale, shift) == pytest.approx(numpy_sum, rel=1e-6)
+    wide = row.astype(np.float64)  # float64 rows: numpy's own operations, in float64
+    assert row_mass(wide, scale, shift) == pytest.approx(np.exp(wide * scale - shift).sum())

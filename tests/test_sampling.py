@@ -187,6 +187,38 @@ def test_bounds_on_the_vocabulary_s_mass_draw_what_its_exact_sum_draws(
         assert [p for _, p in fast] == pytest.approx([p for _, p in exact], rel=1e-9)
 
 
+def test_candidates_sorted_level_by_level_draw_what_one_sort_of_all_draws(monkeypatch):
+    """The kept set found in the candidates nearest the top first, each wider level sorting only
+    the candidates the last did not hold (`SUBLEVELS`), draws the tokens and probabilities that
+    one sort of every candidate draws: on rows whose kept set ends within each level, past them
+    all, and with ties across the levels."""
+    rng = np.random.default_rng(5)
+    vocab = 40000
+    rows = [(rng.standard_normal(vocab) * scale).astype(np.float32) for scale in (1.5, 2.5, 4.0)]
+    for low, spread in ((6, 4), (6, 8), (6, 12), (12, 4)):  # the mass far below the top
+        row = np.full(vocab, -40.0, dtype=np.float32)
+        row[0], row[1:] = 0.0, -rng.random(vocab - 1) * spread - low
+        rows.append(row)
+    tied = np.full(vocab, -9.0, dtype=np.float32)  # ties with the level edges, in id order
+    tied[:5], tied[5:3000], tied[3000:9000] = 0.0, -8.0, -12.0
+    rows.append(tied)
+    settings = [
+        dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.99), dict(top_k=5000, top_p=0.95),
+        dict(min_p=1e-5), dict(top_p=0.97, min_p=1e-6),
+    ]  # fmt: skip
+
+    def draws():
+        out = []
+        for i, kwargs in enumerate(settings):
+            sampler = Sampler(Sampling(temperature=1.0, seed=i, **kwargs), vocab, [])
+            out += [sampler.draw(row, position) for position, row in enumerate(rows)]
+        return out
+
+    levels = draws()
+    monkeypatch.setattr(sampling_module, "SUBLEVELS", ())
+    assert levels == draws()
+
+
 def test_a_draw_is_a_function_of_seed_position_and_distribution():
     logits = torch.randn(300, generator=torch.Generator().manual_seed(2)).numpy()
     sampling = Sampling(0.8, top_p=0.95, seed=5)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from delspec.errors import ConfigError, is_integer, is_number
+from delspec.kernels.scores import row_mass
 
 MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -35,7 +36,7 @@ _TAIL, _TAIL_DRAW = 1 << 62, (1 << 62) + 1
 # its probability), widened through these while a truncation's kept set may reach past them.
 DELTAS = (16.0, 20.0, 24.0, 32.0, 64.0, math.inf)
 # Narrower sets tried first inside a truncation's candidates: the kept set is usually among them.
-SUBLEVELS = (8.0,)
+SUBLEVELS = (8.0, 12.0)
 # Bands below the candidates whose columns are counted to bound the mass outside them.
 BANDS = (8.0, 16.0)
 
@@ -299,8 +300,7 @@ class _Row:
     @property
     def total(self) -> float:
         if self._total is None:
-            z = self.logits * self.logits.dtype.type(self.inv_t)
-            self._total = float(np.exp(z - z.dtype.type(self.top)).sum(dtype=np.float64))
+            self._total = row_mass(self.logits, self.inv_t, self.top)
         return self._total
 
     def _count(self, delta: float) -> int:
@@ -345,15 +345,25 @@ class _Row:
             columns, values = self.candidates(delta)
             every = len(columns) == len(self.logits)
             mass = float(np.exp(values - top).sum())
-            # Inside wide candidates, the nearest ones first: sorting them is the cost.
+            # Inside wide candidates, the nearest ones first: sorting them is the cost. The
+            # candidates within each sublevel are a prefix of the decreasing order, so each
+            # level sorts only those the last one did not hold (ties stay in column order, as
+            # one sort of all would leave them).
+            before = None  # which candidates are sorted so far (v, c)
             for inner in [d for d in SUBLEVELS if d < delta] + [delta]:
                 pick = values >= top - inner if inner < delta else None
                 if pick is not None and pick.all():
                     continue
-                v = values if pick is None else values[pick]
-                c = columns if pick is None else columns[pick]
-                order = np.argsort(-v, kind="stable")  # ties: the lower column (id) first
-                v, c = v[order], c[order]
+                fresh = pick if before is None else ~before if pick is None else pick & ~before
+                new = np.arange(len(values)) if fresh is None else np.flatnonzero(fresh)
+                if not len(new) and pick is not None:
+                    continue
+                order = new[np.argsort(-values[new], kind="stable")]
+                if before is None:
+                    v, c = values[order], columns[order]
+                else:
+                    v, c = np.concatenate([v, values[order]]), np.concatenate([c, columns[order]])
+                before = pick
                 bounds = self.bounds(mass, len(columns), delta)
                 kept = self._decided(s, v, bounds, every and pick is None)
                 if kept is not None:

@@ -215,3 +215,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_layers.restype = i32
     lib.dl_top_logsumexp.argtypes = [p, i64, i32, i64, p, p, p]
     lib.dl_top_logsumexp.restype = None
+    lib.dl_row_mass.argtypes = [p, i64, f32, f32]
+    lib.dl_row_mass.restype = ctypes.c_double

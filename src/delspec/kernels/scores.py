@@ -2,10 +2,12 @@
 pick's probability is e^(top - logsumexp)): one compiled call for all rows (`scores.c`) for
 float32 on CPU, torch's operations elsewhere. The compiled call runs on the calling thread:
 inside a decode step, torch's `max` and `logsumexp` over one row each wake its thread pool,
-which costs more than the reduction."""
+which costs more than the reduction. And a numpy row's mass for a sampled draw (`row_mass`),
+compiled for float32, numpy elsewhere."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,3 +42,14 @@ def top_logsumexp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         at.data_ptr(), top.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     return at, top, lse
+
+
+def row_mass(row: np.ndarray, scale: float, shift: float) -> float:
+    """The sum of e^(row * scale - shift) over `row`, in float64: one compiled pass over a
+    float32 row (the scaling and shift in float32, as numpy computes them; the exponential
+    within a few float32 roundings of numpy's), numpy elsewhere."""
+    lib = library() if row.dtype == np.float32 and row.flags.c_contiguous else None
+    if lib is None or row.ndim != 1:
+        z = row * row.dtype.type(scale)
+        return float(np.exp(z - z.dtype.type(shift)).sum(dtype=np.float64))
+    return float(lib.dl_row_mass(row.ctypes.data, len(row), scale, shift))
