@@ -143,7 +143,9 @@ void dl_gated_row(const float *gate, const float *up, int width, int gelu, float
 
 
 /* e^x for x in [-87, 88] (clamped outside): 2^(x log2 e) split into integer and fraction, the
- * fraction by a polynomial (relative error ~2e-7), with fused multiply-adds. */
+ * fraction by a polynomial, with fused multiply-adds. Relative error ~2e-7 near 0, growing with
+ * |x| (x log2 e is rounded in float first: up to ~6e-6 around -20): for softmax terms and
+ * activations, not for sums that must be exact to float32 (scores.c's exp_precise). */
 #define EXP_LOW -87.0f
 #define EXP_HIGH 88.0f
 #define LOG2_E 1.44269504088896341f
