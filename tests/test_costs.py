@@ -356,13 +356,36 @@ def test_a_run_too_short_to_repay_a_profile_measures_none(tmp_path):
     short = cost_profile.QUICK_PROFILE_STEPS - 1
     calls = CountingHead.calls
     assert cached_profile(head, 2, 4, tmp_path, budget=short) is None
-    assert CountingHead.calls == calls and not (tmp_path / "costs").exists()
+    assert CountingHead.calls == calls and not list(tmp_path.glob("costs/profile-*"))
     measured = cached_profile(head, 2, 4, tmp_path, budget=cost_profile.QUICK_PROFILE_STEPS)
     assert measured is not None and measured.quick
     assert cached_profile(head, 2, 4, tmp_path, budget=1) == measured
     elsewhere = tmp_path / "other"
     thorough = cached_profile(head, 2, 4, elsewhere, thorough=True, budget=1)
     assert thorough is not None and not thorough.quick
+
+
+def test_short_runs_measure_a_profile_once_their_budgets_add_up_to_one(tmp_path):
+    """Runs each too short to repay a quick profile count the new tokens they were allowed, in
+    the cache (so across processes: each machine profile here is a new one); the run at which
+    the count reaches `QUICK_PROFILE_STEPS` measures the profile, and the count starts again."""
+    head = CountingHead(tiny_model(seed=0))
+    steps = cost_profile.QUICK_PROFILE_STEPS
+    budgets = [steps // 3, steps // 3, steps - 2 * (steps // 3) - 1]  # one token short
+    calls = CountingHead.calls
+    for budget in budgets:
+        assert cached_profile(head, 2, 4, tmp_path, budget=budget) is None
+    assert CountingHead.calls == calls and not list(tmp_path.glob("costs/profile-*"))
+    measured = cached_profile(head, 2, 4, tmp_path, budget=1)  # the count reaches it
+    assert measured is not None and measured.quick and CountingHead.calls > calls
+    assert list(tmp_path.glob("costs/profile-*")) and not list(tmp_path.glob("costs/pending-*"))
+    assert cached_profile(head, 2, 4, tmp_path, budget=1) == measured
+    # an unreadable count starts again from zero
+    fresh = tmp_path / "fresh"
+    assert cached_profile(head, 2, 4, fresh, budget=steps - 1) is None
+    (pending,) = fresh.glob("costs/pending-*.json")
+    pending.write_text("not json")
+    assert cached_profile(head, 2, 4, fresh, budget=steps - 1) is None
 
 
 def test_a_machine_profile_keys_its_measurements_by_its_thread_count_and_keeps_what_it_read(

@@ -21,6 +21,7 @@ from delspec.decoding.grammar import grammar_available, json_grammar
 from delspec.drafting.context_drafts import POOL, SEQUENCE
 from delspec.drafting.draft_pool import LEAD_IN, DraftPool
 from delspec.errors import ConfigError
+from delspec.machine.cost_profile import QUICK_PROFILE_STEPS
 from delspec.policies.fast_state import ContextScore
 from delspec.server import create_app
 from delspec.server import serving as running
@@ -108,6 +109,15 @@ def test_pool_proposals_have_statistics_of_their_own() -> None:
 # The library.
 
 
+@pytest.fixture(scope="module")
+def measured(smollm2: LoadedModel) -> LoadedModel:
+    """SmolLM2 with this machine's decode costs measured: `del-fast` prices context drafts,
+    pool drafts among them, with them, and a machine that has none stored yet measures them
+    at the first run long enough to repay it (`MachineProfile.cost_profile`)."""
+    delspec.generate(smollm2, "Count to forty:", max_new_tokens=QUICK_PROFILE_STEPS)
+    return smollm2
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -118,8 +128,9 @@ def test_pool_proposals_have_statistics_of_their_own() -> None:
     ids=str,
 )
 def test_a_repeated_question_drafts_from_the_pool_and_answers_as_ar(
-    smollm2: LoadedModel, options: dict[str, Any]
+    measured: LoadedModel, options: dict[str, Any]
 ) -> None:
+    smollm2 = measured
     pool = DraftPool(4096)
     ar = delspec.generate(smollm2, QUESTION, max_new_tokens=48, **{**options, "strategy": "ar"})
     first = delspec.generate(smollm2, QUESTION, max_new_tokens=48, draft_pool=pool, **options)
@@ -137,10 +148,11 @@ def test_a_repeated_question_drafts_from_the_pool_and_answers_as_ar(
 @pytest.mark.skipif(not grammar_available(), reason="structured output needs llguidance")
 @pytest.mark.parametrize("strategy", ["del-fast", "lookup"])
 def test_pool_drafts_under_a_grammar_give_constrained_ar_tokens(
-    smollm2: LoadedModel, strategy: str
+    measured: LoadedModel, strategy: str
 ) -> None:
     """Pool drafts are cut at the first token the grammar rejects, like any context draft: a
     repeated structured request drafts from the first reply and gives constrained `ar`'s."""
+    smollm2 = measured
     grammar = json_grammar()
     ask = [{"role": "user", "content": "Describe a cat as a JSON object with name and age."}]
     ar = delspec.generate(smollm2, ask, max_new_tokens=40, strategy="ar", grammar=grammar)
@@ -171,7 +183,8 @@ def test_wrong_pool_drafts_are_rejected_and_the_answer_is_ars(
     assert result.stats.pool_drafted > result.stats.pool_accepted
 
 
-def test_ar_fills_the_pool_but_never_drafts_from_it(smollm2: LoadedModel) -> None:
+def test_ar_fills_the_pool_but_never_drafts_from_it(measured: LoadedModel) -> None:
+    smollm2 = measured
     pool = DraftPool(4096)
     for _ in range(2):
         result = delspec.generate(
@@ -183,7 +196,8 @@ def test_ar_fills_the_pool_but_never_drafts_from_it(smollm2: LoadedModel) -> Non
     assert again.token_ids == result.token_ids and again.stats.pool_drafted > 0
 
 
-def test_a_session_drafts_from_its_pool(smollm2: LoadedModel) -> None:
+def test_a_session_drafts_from_its_pool(measured: LoadedModel) -> None:
+    smollm2 = measured
     ar = delspec.generate(smollm2, QUESTION, max_new_tokens=32, strategy="ar")
     session = delspec.Session(smollm2, draft_pool=DraftPool(4096))
     first = session.generate(QUESTION, max_new_tokens=32)

@@ -1,14 +1,15 @@
-"""The decode cost profile: seconds measured on this machine for one model, device, dtype and
-thread count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), kept per setting
-by the machine profile (`MachineProfile.cost_profile`, on disk through `store`). A profile timed
-while the machine was busy would mislead every later run that reads it, so a thorough profile's
-timings are taken in interleaved rounds until two takes agree. A first run measures a quick one
-instead (a few dozen steps' worth of timings: fewer row counts, one take, two cycles in
-decoding), so that a new model's first answer does not wait for the thorough one, and a run
-allowed fewer new tokens than `QUICK_PROFILE_STEPS` measures none (measuring would take longer
-than the run). Long-lived processes (the server, benchmarks) ask for a thorough profile and
-replace a quick one. The cost model's `CostCheck` corrects a profile whose predictions a run
-keeps contradicting.
+"""The decode cost profile: seconds measured on this machine for one model, device, dtype and thread
+count (`measure_profile`, `measure_in_decoding`, `measure_draft_heads`), kept per setting by the
+machine profile (`MachineProfile.cost_profile`, on disk through `store`). A profile timed while the
+machine was busy would mislead every later run that reads it, so a thorough profile's timings are
+taken in interleaved rounds until two takes agree. A first run measures a quick one instead (a few
+dozen steps' worth of timings: fewer row counts, one take, two cycles in decoding), so that a new
+model's first answer does not wait for the thorough one, and a run allowed fewer new tokens than
+`QUICK_PROFILE_STEPS` measures none (measuring would take longer than the run) until such runs
+together were allowed that many (then one does: without a profile, `del-fast` prices drafts in
+layers and takes no context drafts). Long-lived processes (the server, benchmarks) ask for a
+thorough profile and replace a quick one. The cost model's `CostCheck` corrects a profile whose
+predictions a run keeps contradicting.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ QUICK_CYCLES = 2  # cycles in decoding of a quick profile, the fastest of them t
 QUICK_DRAFT_HEAD_ROUNDS = 3  # odd: their median is one of them, not an outlier's mean
 # About as many plain steps as a quick profile's timings take: a run allowed fewer new tokens
 # would spend longer measuring than decoding, so it runs on the layer cost and leaves the
-# profile to a longer run.
+# profile to a longer run, or to the run at which such short runs' budgets add up to this.
 QUICK_PROFILE_STEPS = 100
 
 

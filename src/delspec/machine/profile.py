@@ -82,10 +82,12 @@ class MachineProfile:
         for verifications of up to `max_tokens` rows): the one read or measured before in this
         process, else the stored one, measured again when missing, older than a week (an hour
         when not `CostProfile.settled`), measured for fewer tokens, or quick where a `thorough`
-        one is asked for. Measured quick unless `thorough`; not measured at all (None) for a
-        run of at most `budget` new tokens when that is under `QUICK_PROFILE_STEPS`. Draft head
-        timings are kept per vocabulary (`ExitHead.vocab_sizes`) in the same file; a new one is
-        measured and added."""
+        one is asked for. Measured quick unless `thorough`; not measured (None) for a run of at
+        most `budget` new tokens when that is under `QUICK_PROFILE_STEPS`, until such runs'
+        budgets together reach it (`store.count_unprofiled`): then that run measures it, the
+        time repaid by the tokens they were allowed, so that runs that are all short still get
+        one. Draft head timings are kept per vocabulary (`ExitHead.vocab_sizes`) in the same
+        file; a new one is measured and added."""
         key = profile_key(exit_head, self.threads)
         path = store.profile_path(self.directory, key)
         vocab = ",".join(map(str, exit_head.vocab_sizes))
@@ -96,11 +98,13 @@ class MachineProfile:
         if stored is not None and thorough and stored[0].quick:
             stored = None
         if stored is None:
-            if not thorough and budget is not None and budget < QUICK_PROFILE_STEPS:
+            short = not thorough and budget is not None and budget < QUICK_PROFILE_STEPS
+            if short and store.count_unprofiled(path, budget) < QUICK_PROFILE_STEPS:
                 return None
             profile = self._measure_profile(exit_head, exit_layer, max_tokens, thorough)
             profile.path = str(path)
             store.write_profile(path, profile, {vocab: profile.draft_head})
+            store.clear_unprofiled(path)
         else:
             profile, draft_heads = stored
             profile.path = str(path)

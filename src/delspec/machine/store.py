@@ -1,10 +1,10 @@
-"""The machine cache on disk: the one module that reads or writes what was measured on this
-machine. Two kinds of entry live under the delspec cache, each keyed by `MachineProfile.key`:
-kernel choices (`kernels/choice-<key>.json`) and decode cost profiles
-(`costs/profile-<key>.json`, with draft head timings per vocabulary). An entry older than
-`MEASURED_MAX_AGE_S` (a profile whose takes never agreed: `UNSETTLED_MAX_AGE_S`), or of another
-version, reads as missing, so it is measured again. Writes are atomic: a reader sees the old
-entry or the whole new one.
+"""The machine cache on disk: the one module that reads or writes what was measured on this machine.
+Two kinds of entry live under the delspec cache, each keyed by `MachineProfile.key`: kernel choices
+(`kernels/choice-<key>.json`) and decode cost profiles (`costs/profile-<key>.json`, with draft head
+timings per vocabulary; until one is measured, the new tokens that runs too short to measure it were
+allowed: `costs/pending-<key>.json`). An entry older than `MEASURED_MAX_AGE_S` (a profile whose
+takes never agreed: `UNSETTLED_MAX_AGE_S`), or of another version, reads as missing, so it is
+measured again. Writes are atomic: a reader sees the old entry or the whole new one.
 """
 
 from __future__ import annotations
@@ -31,6 +31,31 @@ def choices_path(root: Path, key: str) -> Path:
 def profile_path(root: Path, key: str) -> Path:
     """Where the cost profile of profile key `key` is kept under cache root `root`."""
     return root / "costs" / f"profile-{key}.json"
+
+
+def count_unprofiled(path: Path, tokens: int) -> int:
+    """Add `tokens` (a run's budget of new tokens) to those allowed to runs that went without
+    the profile at `path` because each was too short to repay measuring it, and return the
+    total (`MachineProfile.cost_profile`). Kept beside the profile (`pending-<key>.json`);
+    an unreadable count starts again from zero."""
+    pending = _pending_path(path)
+    try:
+        total = int(json.loads(pending.read_text())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        total = 0
+    total += tokens
+    text = json.dumps({"tokens": total})
+    write_atomically(pending, lambda out: out.write_text(text))
+    return total
+
+
+def clear_unprofiled(path: Path) -> None:
+    """Forget the count of `count_unprofiled` (the profile at `path` was measured)."""
+    _pending_path(path).unlink(missing_ok=True)
+
+
+def _pending_path(path: Path) -> Path:
+    return path.with_name(path.name.replace("profile-", "pending-", 1))
 
 
 def read_choices(path: Path) -> dict[str, Any] | None:
