@@ -9,6 +9,7 @@ measured again. Writes are atomic: a reader sees the old entry or the whole new 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
@@ -37,7 +38,8 @@ def count_unprofiled(path: Path, tokens: int) -> int:
     """Add `tokens` (a run's budget of new tokens) to those allowed to runs that went without
     the profile at `path` because each was too short to repay measuring it, and return the
     total (`MachineProfile.cost_profile`). Kept beside the profile (`pending-<key>.json`);
-    an unreadable count starts again from zero."""
+    an unreadable count starts again from zero, and one that cannot be written (a read-only
+    cache) is only this run's: the count is a saving, never a reason for a run to fail."""
     pending = _pending_path(path)
     try:
         total = int(json.loads(pending.read_text())["tokens"])
@@ -45,13 +47,15 @@ def count_unprofiled(path: Path, tokens: int) -> int:
         total = 0
     total += tokens
     text = json.dumps({"tokens": total})
-    write_atomically(pending, lambda out: out.write_text(text))
+    with contextlib.suppress(OSError):
+        write_atomically(pending, lambda out: out.write_text(text))
     return total
 
 
 def clear_unprofiled(path: Path) -> None:
     """Forget the count of `count_unprofiled` (the profile at `path` was measured)."""
-    _pending_path(path).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        _pending_path(path).unlink(missing_ok=True)
 
 
 def _pending_path(path: Path) -> Path:
