@@ -103,40 +103,13 @@ static inline __m256 exp8_precise(__m256 x) {
 }
 #endif
 
-#ifdef __AVX512F__
-static inline __m512 exp16_precise(__m512 x) { /* exp8_precise's operations, 16 lanes */
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(LN2_HIGH)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(LN2_LOW)));
-    __m512 p = _mm512_set1_ps(TAYLOR7[0]);
-    for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TAYLOR7[i]));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
 /* The sum over v[0..n) of e^(v[i] * scale - shift) (the scaling and shift in float, as numpy
- * computes them on a float32 row; exp_precise for the exponential), summed in double lanes in
- * order of i, then the lanes in order. */
+ * computes them on a float32 row; exp_precise for the exponential), summed in 8 double lanes in
+ * order of i, then the lanes in order: the same bits on every x86 path that has AVX2. */
 double dl_row_mass(const float *v, int64_t n, float scale, float shift) {
     double total = 0.0;
     int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 s = _mm512_set1_ps(scale), t = _mm512_set1_ps(shift);
-    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
-    for (; i + 16 <= n; i += 16) {
-        __m512 e = exp16_precise(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), s), t));
-        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-        high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-    }
-    double lanes[16];
-    _mm512_storeu_pd(lanes, low);
-    _mm512_storeu_pd(lanes + 8, high);
-    for (int l = 0; l < 16; ++l) total += lanes[l];
-#elif defined(__AVX2__)
+#ifdef __AVX2__
     const __m256 s = _mm256_set1_ps(scale), t = _mm256_set1_ps(shift);
     __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
     for (; i + 8 <= n; i += 8) {
