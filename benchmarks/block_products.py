@@ -8,12 +8,13 @@ Two modes:
   on the same tensor (int4pack for 4/5-bit types, int8pack, float32 `F.linear`) and the
   machine's streaming read bandwidth;
 - `--synthetic SHAPE[,SHAPE]` (large_model.py's shapes: Q4_K layers, a Q6_K head, Q5_0 and Q8_0
-  where rows hold no whole 256-value block): every
-  layer's products of one kind timed in turn (the weights stream from memory as in a step), M =
-  1, 2, 4, 8, at 1 and 2 threads, as GB/s-equivalent and % of the read bandwidth measured at the
-  same thread count; beside them llama-bench's tg (token generation) on the same synthetic GGUF
-  file (`--llama-bench PATH`, or `llama-bench` on PATH: build it for this CPU, e.g. llama.cpp's
-  CMake with its native CPU flags, or the comparison is with a slower peer than users run).
+  where rows hold no whole 256-value block): every layer's products of one kind timed in turn
+  (the weights stream from memory as in a step), M = 1 (alone, and twinned: the two-row loop on
+  the row and its copy), 2, 4, 8, at 1 and 2 threads, as GB/s-equivalent and % of the read
+  bandwidth measured at the same thread count; beside them llama-bench's tg (token generation)
+  on the same synthetic GGUF file (`--llama-bench PATH`, or `llama-bench` on PATH: build it for
+  this CPU, e.g. llama.cpp's CMake with its native CPU flags, or the comparison is with a slower
+  peer than users run).
 
 Writes `summary.json` and `table.md` to `--out`.
 
@@ -49,6 +50,7 @@ from delspec.bench.environment import read_bandwidth
 from delspec.cache import cache_dir
 from delspec.kernels.blocks import BlockWeight
 from delspec.kernels.build import cpu_name, library
+from delspec.kernels.layers import set_twin_row
 
 MODELS = ("default", "gemma3-270m")
 FULL_M, QUICK_M = (1, 2, 4, 8, 16), (1, 8)
@@ -346,21 +348,27 @@ def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
         bandwidth = read_bandwidth()
         step_us = dict.fromkeys(SYNTHETIC_M, 0.0)
         for kind, (qtype, n, k, count) in groups.items():
-            m1_us = 0.0
-            for m in SYNTHETIC_M:
+            fns = [lambda x, xb, w=w: w(x) for w in weights[kind]]
+            timed = {}
+            for m, twin in [(1, False), (1, True), *((m, False) for m in SYNTHETIC_M[1:])]:
                 x = torch.randn(m, k)
-                fns = [lambda x, xb, w=w: w(x) for w in weights[kind]]
-                us = per_product_us(fns, x, x, repeats)
-                m1_us = us if m == 1 else m1_us
-                step_us[m] += us * count
+                before = set_twin_row(twin)
+                timed[m, twin] = per_product_us(fns, x, x, repeats)
+                set_twin_row(bool(before))
+            # one row as decoding takes it where the machine measured right: the faster way
+            m1_us = min(timed[1, False], timed[1, True])
+            for (m, twin), us in timed.items():
+                step_us[m] += 0.0 if m == 1 else us * count
                 gb_s = weights[kind][0].nbytes / us / 1e3
                 rows.append({
                     "shape": shape, "product": kind, "type": qtype.name, "rows": n, "cols": k,
-                    "count": count, "threads": threads, "M": m, "us": round(us, 1),
-                    "weight_gb_per_s": round(gb_s, 2), "bandwidth_gb_per_s": round(bandwidth, 2),
+                    "count": count, "threads": threads, "M": "1, twinned" if twin else m,
+                    "us": round(us, 1), "weight_gb_per_s": round(gb_s, 2),
+                    "bandwidth_gb_per_s": round(bandwidth, 2),
                     "share_of_bandwidth": round(gb_s / bandwidth, 3),
                     "m_over_m1": round(us / m1_us, 2),
                 })  # fmt: skip
+            step_us[1] += m1_us * count
         tg, ar = peer_and_ar(llama_bench, path, threads)
         steps[threads] = {
             "bandwidth_gb_per_s": round(bandwidth, 2),
@@ -393,9 +401,11 @@ def synthetic_table(reports: list[dict], context: dict) -> str:
         "Per product kind, every layer's product timed in turn (weights streaming from memory), "
         "median of repeated sweeps. GB/s is the weight bytes read per second; % bw is that over "
         "the streaming read bandwidth measured at the same thread count (the fastest of sums and "
-        "maxima of a 1 GiB float32 tensor). The step line adds every product of one token (M "
-        "rows); llama.cpp's line is llama-bench's tg128 on the same synthetic GGUF file, as "
-        "weights read per second (file bytes x tokens/s).",
+        "maxima of a 1 GiB float32 tensor). One row is timed alone and twinned (run as two rows, "
+        "the row and its copy, as decoding does where the machine measured that faster: "
+        "`dl_set_twin_row`); M/M1 and the step's M=1 take the faster of the two. The step line "
+        "adds every product of one token (M rows); llama.cpp's line is llama-bench's tg128 on "
+        "the same synthetic GGUF file, as weights read per second (file bytes x tokens/s).",
         "",
     ]
     for report in reports:

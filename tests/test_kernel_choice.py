@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.kernels.build import library
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles, set_twin_row
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine import kernel_choice
 from delspec.machine.kernel_choice import apply_choices, fastest, measure_choices
@@ -157,6 +157,39 @@ def test_four_tiles_taken_where_they_take_less_time_summed(faster, slower, expec
     assert settings == [name.endswith("four") for name in timed]
 
 
+@pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
+@pytest.mark.parametrize(("faster", "expected"), [("twin", True), ("one", False)])
+def test_one_row_twinned_where_that_takes_less_time(faster, expected):
+    """`measure_twin_row` times every layer on one row with the row twinned and alone (really
+    running them, the switch set for each call), keeps the faster, and leaves the process's
+    setting as it found it."""
+    model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
+    timed: list[str] = []
+    settings: list[bool | None] = []
+    timer = faster_but_at(faster, set(), timed)
+
+    def watching(name: str, run) -> float:
+        def checked() -> object:
+            out = run()
+            settings.append(set_twin_row(False))  # what the call ran with
+            set_twin_row(settings[-1])
+            return out
+
+        return timer(name, checked)
+
+    for before in (False, True):
+        timed.clear()
+        settings.clear()
+        set_twin_row(before)
+        try:
+            assert kernel_choice.measure_twin_row(model, watching) is expected
+            assert set_twin_row(False) is before  # as it was
+        finally:
+            set_twin_row(False)
+        assert sorted(timed) == ["1 rows, one", "1 rows, twin"]
+        assert settings == [name.endswith("twin") for name in timed]
+
+
 def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("DELSPEC_CACHE", str(tmp_path))
     model = tiny_model(seed=0, dtype=torch.float32)
@@ -171,6 +204,7 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure_prompt_tiles", lambda m: 64)
     monkeypatch.setattr(kernel_choice, "measure_split_rows", lambda m: {False: 16, True: 128})
     monkeypatch.setattr(kernel_choice, "measure_four_tiles", lambda m: None)
+    monkeypatch.setattr(kernel_choice, "measure_twin_row", lambda m: None)
     MachineProfile(model).choose_kernels()
     other = tiny_model(seed=1, dtype=torch.float32)
     MachineProfile(other).choose_kernels()  # same shapes: read from the cache

@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from delspec.errors import ModelFormatError
 from delspec.kernels.blocks import KERNEL_TYPES, BlockWeight
 from delspec.kernels.build import library, simd_paths
-from delspec.kernels.layers import prompt_tiles_ready, set_four_tiles
+from delspec.kernels.layers import prompt_tiles_ready, set_four_tiles, set_twin_row
 from delspec.weights.loading import NAMED_MODELS, default_model_path, load_model, named_model_path
 
 T = gguf.GGMLQuantizationType
@@ -209,6 +209,28 @@ def test_tiles_together_have_the_bits_of_single_tiles(qtype):
             set_four_tiles(before)
 
 
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+def test_one_row_twinned_keeps_its_bits(qtype):
+    """A product of one row run as two (the row and its copy: `dl_set_twin_row`) gives the
+    row's bits, on four tiles, a pair and a lone tile (56 weight rows), and with pairs only;
+    rows of a batch are not twinned."""
+    raw = synthetic_blocks(qtype, 56, 512, seed=10)
+    weight = BlockWeight.from_blocks(qtype, torch.from_numpy(raw), 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11))
+    batch = weight(x)
+    before, before_four = set_twin_row(True), set_four_tiles(True)
+    try:
+        for four in (True, False):
+            set_four_tiles(four)
+            for r in range(3):
+                assert torch.equal(weight(x[r : r + 1])[0], batch[r]), (four, r)
+            assert torch.equal(weight(x), batch)
+    finally:
+        set_twin_row(bool(before))
+        if before_four is not None:
+            set_four_tiles(before_four)
+
+
 def tile_product(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
     """x . W^T on bfloat16 tiles (`dl_prompt_tiles`), 32 weight rows a call, as the compiled
     layers call it for a prompt's rows."""
@@ -307,6 +329,10 @@ def test_narrower_simd_paths(monkeypatch, path, level):
             x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
             alone = torch.cat([weight(x[r : r + 1]) for r in range(9)])
             assert torch.equal(weight(x), alone), qtype.name
+            before = set_twin_row(True)  # one row run as two there too
+            twinned = torch.cat([weight(x[r : r + 1]) for r in range(9)])
+            set_twin_row(bool(before))
+            assert torch.equal(twinned, alone), qtype.name
     finally:
         monkeypatch.undo()
         library.cache_clear()

@@ -25,7 +25,8 @@
  * (AVX-512 VNNI or AVX-VNNI) where the CPU has them, or portable C. With AVX-512, pairs of tiles
  * are computed at once in 512-bit vectors (tile_pair), or two pairs (tile_four, where the type
  * allows and the machine measured it faster: dl_set_four_tiles), with the bits of one tile at a
- * time. A
+ * time. One row may run the two-row loop on itself and a copy (dl_set_twin_row), where the
+ * machine measured that faster: the same bits. A
  * long prompt's rows may take another product where the CPU has AMX-BF16 (dl_prompt_tiles, at
  * the end): all of that prompt's rows, and never decoding's.
  */
@@ -373,13 +374,25 @@ static void tile_scales(int type, const uint8_t *t, int l, int g, float *s, floa
 
 /* ---- activations ------------------------------------------------------------------------ */
 
+/* Whether one row's activations are laid out with a copy (dl_set_twin_row). */
+static int twin_row = 0;
+
+int dl_set_twin_row(int on) {
+    int before = twin_row;
+    twin_row = on != 0;
+    return before;
+}
+
 size_t dl_activation_bytes(int64_t M, int64_t K) {
     size_t G = (size_t)(K / GROUP);
+    if (M < 2) M = 2; /* one row and its twin, whatever the setting when they are laid out */
     return ((size_t)(M * K) + 4 * (size_t)M * G * 4 + 127) / 64 * 64;
 }
 
 void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K) {
     int64_t G = K / GROUP;
+    a->twin = M == 1 && twin_row;
+    if (a->twin) M = 2; /* row 1 is row 0's copy: dl_quantise_rows writes it */
     a->d = memory;
     a->sum = a->d + M * G;
     a->half = a->sum + M * G;
@@ -442,6 +455,13 @@ void dl_quantise_rows(const float *x, int64_t ldx, int64_t first, int64_t count,
             a->half[2 * at + 1] = d * (float)sums[1];
         }
     }
+    if (a->twin && first == 0 && count > 0)
+        for (int64_t g = 0; g < a->G; ++g) {
+            int64_t at = 2 * g;
+            memcpy(a->q + (at + 1) * GROUP, a->q + at * GROUP, GROUP);
+            a->d[at + 1] = a->d[at], a->sum[at + 1] = a->sum[at];
+            a->half[2 * at + 2] = a->half[2 * at], a->half[2 * at + 3] = a->half[2 * at + 1];
+        }
 }
 
 /* ---- portable product ------------------------------------------------------------------- */
@@ -1175,6 +1195,10 @@ int64_t dl_tile_stride(int type, int64_t K) {
 }
 
 /* One tile's rows (width <= 8) for rows first.. first + count - 1 of a. */
+/* Rows a kernel computes for `rows` of `a`: one row and its twin where `a` holds one (only the
+ * first row is stored). */
+static inline int twinned(const Activations *a, int rows) { return rows == 1 && a->twin ? 2 : rows; }
+
 static void one_tile(int type, const uint8_t *tile, const Activations *a, int64_t first,
                      int64_t count, float *y, int64_t ldy, int width) {
     Layout L;
@@ -1185,7 +1209,7 @@ static void one_tile(int type, const uint8_t *tile, const Activations *a, int64_
         if (L.low == 16)
             tile_float(type, &L, tile, a, first + m0, rows, out);
         else
-            tile_product(type, &L, tile, a, first + m0, rows, out);
+            tile_product(type, &L, tile, a, first + m0, twinned(a, rows), out);
         for (int r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, out[r], (size_t)width * sizeof(float));
     }
 }
@@ -1213,7 +1237,7 @@ void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first,
             float out[MAX_ROWS][4 * TILE];
             for (int64_t m0 = 0; m0 < count; m0 += MAX_ROWS) {
                 int rows = (int)(count - m0 < MAX_ROWS ? count - m0 : MAX_ROWS);
-                four_product(type, tile, stride, a, first + m0, rows, out);
+                four_product(type, tile, stride, a, first + m0, twinned(a, rows), out);
                 for (int r = 0; r < rows; ++r)
                     memcpy(y + (m0 + r) * ldy, out[r], 4 * TILE * sizeof(float));
             }
@@ -1233,7 +1257,7 @@ void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first,
         float out[MAX_ROWS][2 * TILE];
         for (int64_t m0 = 0; m0 < count; m0 += MAX_ROWS) {
             int rows = (int)(count - m0 < MAX_ROWS ? count - m0 : MAX_ROWS);
-            pair_product(type, tile, stride, a, first + m0, rows, out);
+            pair_product(type, tile, stride, a, first + m0, twinned(a, rows), out);
             for (int r = 0; r < rows; ++r)
                 memcpy(y + (m0 + r) * ldy, out[r], (size_t)width * sizeof(float));
         }

@@ -31,10 +31,11 @@ typedef struct {
     const float *x;
     int64_t ldx;
     const uint16_t *bf16; /* a prompt's rows rounded to bfloat16 (dl_prompt_tiles), or NULL */
+    int twin; /* one row laid out as two, the second a copy of the first (dl_set_twin_row) */
 } Activations;
 
-/* Bytes of Activations for M rows of K values; `dl_activations_at` lays them out in `memory`
- * (64-byte aligned). */
+/* Bytes of Activations for M rows of K values (for one row, room for its twin);
+ * `dl_activations_at` lays them out in `memory` (64-byte aligned). */
 size_t dl_activation_bytes(int64_t M, int64_t K);
 void dl_activations_at(Activations *a, void *memory, int64_t M, int64_t K);
 /* Quantise rows [first, first + count) of x (row stride ldx) into `a`, which keeps x too. */
@@ -50,6 +51,13 @@ void dl_tile(int type, const uint8_t *tile, const Activations *a, int64_t first,
  * default) or pairs of tiles: the same bits either way, the faster one measured per machine.
  * Process-wide; returns the previous setting, or -1 where the build has no four-tile path. */
 int dl_set_four_tiles(int on);
+/* Whether a product of one row runs the two-row loop on the row and a copy of it (on != 0) or
+ * the one-row loop (0, the default). On some CPUs the one-row loop, with the least arithmetic
+ * per weight byte, streams the weights from memory slower than two rows do; the row's bits are
+ * the same either way (the copy's are dropped), and the machine measures which is faster.
+ * Applies to activations laid out after the call (`dl_activations_at`). Process-wide; returns
+ * the previous setting. */
+int dl_set_twin_row(int on);
 /* How many rows of activations with K values a product takes at a time: a block that stays in
  * the core's L2 while the weights stream past it (each row's bits are the same whatever the
  * block). `dl_set_block_bytes` sets the L2 bytes it may fill (0: half of the reported L2) and

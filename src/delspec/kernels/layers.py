@@ -112,6 +112,14 @@ def set_four_tiles(on: bool) -> bool | None:
     return None if before < 0 else bool(before)
 
 
+def set_twin_row(on: bool) -> bool | None:
+    """Have a product of one row run the two-row loop on the row and a copy of it (`on`) or
+    the one-row loop (`dl_set_twin_row`: the same bits, process-wide); the previous setting, or
+    None without the compiled kernels."""
+    lib = library()
+    return None if lib is None else bool(lib.dl_set_twin_row(int(on)))
+
+
 def prompt_tiles_ready() -> bool:
     """Whether the compiled layers can run a prompt's products on bfloat16 tiles here (a CPU
     with AMX-BF16, whose tile state the process is granted)."""

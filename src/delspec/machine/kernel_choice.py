@@ -7,7 +7,9 @@ that shape, one product each, so that the weights stream from memory as in a rea
 fastest is kept. So is the prompt length from which the compiled layers run a prompt on
 bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, the row counts from which
 they split a call's per-row steps between the threads (`measure_split_rows`), and whether the
-products take four tiles of weight rows at once or pairs (`measure_four_tiles`). The record
+products take four tiles of weight rows at once or pairs (`measure_four_tiles`), and whether a
+product of one row runs the two-row loop on the row and a copy of it (`measure_twin_row`). The
+record
 (`measure_kernels`) is kept by the machine cache (`MachineProfile.choose_kernels`, `store`), keyed
 as every measurement of the machine is, and measured again when it grows old, as the cost
 profile is; the cost profile, measured with the chosen kernels, then sees their times.
@@ -23,13 +25,13 @@ from typing import Any
 import torch
 
 from delspec.kernels.build import cpu_name
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles
+from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles, set_twin_row
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine.timing import settled_seconds
 from delspec.model.modules import Linear
 from delspec.model.transformer import Transformer
 
-CHOICE_VERSION = 4
+CHOICE_VERSION = 5
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
 PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
 # row counts at which calls without tiles (steps of several rows, short prompts) are timed with
@@ -148,6 +150,32 @@ def measure_four_tiles(model: Transformer, timer: Timer | None = None) -> bool |
     )
 
 
+def measure_twin_row(model: Transformer, timer: Timer | None = None) -> bool | None:
+    """Whether one row's products run the two-row loop on the row and a copy of it (True) or
+    the one-row loop (False): every layer timed on one row both ways (the weights of a whole
+    step streaming from memory, as in decoding: the one-row loop's speed against the memory's
+    is what differs between CPUs), twinned where that takes less time. None without compiled
+    layers. The bits are the same either way."""
+    before = set_twin_row(False)
+    if before is None:
+        return None
+    variants: dict[str, dict[str, bool]] = {"twin": {}, "one": {}}
+    try:
+        times = _time_calls(
+            model,
+            (1,),
+            variants,
+            timer,
+            model.num_layers,
+            lambda name: set_twin_row(name == "twin"),
+        )
+    finally:
+        set_twin_row(before)
+    if times is None:
+        return None
+    return times[1, "twin"] < times[1, "one"]
+
+
 def _time_calls(
     model: Transformer,
     counts: tuple[int, ...],
@@ -222,6 +250,7 @@ def measure_kernels(model: Transformer) -> dict[str, Any]:
     split = measure_split_rows(model)  # for the prompts that take tiles too
     stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
     stored["four_tiles"] = measure_four_tiles(model)
+    stored["twin_row"] = measure_twin_row(model)
     return stored
 
 
@@ -233,3 +262,5 @@ def apply_kernels(model: Transformer, stored: dict[str, Any]) -> None:
     model.split_rows_from = {False: split["plain"], True: split["tiles"]}
     if stored["four_tiles"] is not None:  # process-wide: the last model chosen for sets it
         set_four_tiles(stored["four_tiles"])
+    if stored["twin_row"] is not None:  # process-wide, as four_tiles
+        set_twin_row(stored["twin_row"])
