@@ -7,7 +7,13 @@ import torch
 from tiny_models import tiny_model
 
 from delspec.kernels.build import library
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles, set_twin_row
+from delspec.kernels.layers import (
+    SPLIT_ROWS,
+    prompt_tiles_ready,
+    set_fetch_first,
+    set_four_tiles,
+    set_twin_row,
+)
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine import kernel_choice
 from delspec.machine.kernel_choice import apply_choices, fastest, measure_choices
@@ -157,22 +163,32 @@ def test_four_tiles_taken_where_they_take_less_time_summed(faster, slower, expec
     assert settings == [name.endswith("four") for name in timed]
 
 
+SWITCHES = [  # (measure, switch, name on, name off, position timed, default)
+    (kernel_choice.measure_twin_row, set_twin_row, "twin", "one", 0, False),
+    (kernel_choice.measure_fetch_first, set_fetch_first, "fetch", "none", 512, True),
+]
+
+
 @pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
-@pytest.mark.parametrize(("faster", "expected"), [("twin", True), ("one", False)])
-def test_one_row_twinned_where_that_takes_less_time(faster, expected):
-    """`measure_twin_row` times every layer on one row with the row twinned and alone (really
-    running them, the switch set for each call), keeps the faster, and leaves the process's
-    setting as it found it."""
+@pytest.mark.parametrize("faster_on", [True, False])
+@pytest.mark.parametrize("measure, switch, on, off, position, default", SWITCHES)
+def test_switches_taken_where_whole_steps_take_less_time(
+    measure, switch, on, off, position, default, faster_on
+):
+    """`measure_twin_row` and `measure_fetch_first` time whole one-row steps with the switch on
+    and off (really running them, the switch set for each call, at the position named), keep
+    the faster, and leave the process's setting as they found it."""
     model = tiny_model(seed=0, dtype=torch.float32, blocks=True)
+    position = min(position, model.config.max_position - 1)
     timed: list[str] = []
     settings: list[bool | None] = []
-    timer = faster_but_at(faster, set(), timed)
+    timer = faster_but_at(on if faster_on else off, set(), timed)
 
     def watching(name: str, run) -> float:
         def checked() -> object:
             out = run()
-            settings.append(set_twin_row(False))  # what the call ran with
-            set_twin_row(settings[-1])
+            settings.append(switch(default))  # what the call ran with
+            switch(settings[-1])
             return out
 
         return timer(name, checked)
@@ -180,14 +196,14 @@ def test_one_row_twinned_where_that_takes_less_time(faster, expected):
     for before in (False, True):
         timed.clear()
         settings.clear()
-        set_twin_row(before)
+        switch(before)
         try:
-            assert kernel_choice.measure_twin_row(model, watching) is expected
-            assert set_twin_row(False) is before  # as it was
+            assert measure(model, watching) is faster_on
+            assert switch(default) is before  # as it was
         finally:
-            set_twin_row(False)
-        assert sorted(timed) == ["1 rows, one", "1 rows, twin"]
-        assert settings == [name.endswith("twin") for name in timed]
+            switch(default)
+        assert sorted(timed) == sorted(f"{position} positions, {n}" for n in (on, off))
+        assert settings == [name.endswith(on) for name in timed]
 
 
 def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
@@ -205,6 +221,7 @@ def test_choices_are_cached_per_machine_and_model(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "measure_split_rows", lambda m: {False: 16, True: 128})
     monkeypatch.setattr(kernel_choice, "measure_four_tiles", lambda m: None)
     monkeypatch.setattr(kernel_choice, "measure_twin_row", lambda m: None)
+    monkeypatch.setattr(kernel_choice, "measure_fetch_first", lambda m: None)
     MachineProfile(model).choose_kernels()
     other = tiny_model(seed=1, dtype=torch.float32)
     MachineProfile(other).choose_kernels()  # same shapes: read from the cache

@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 
 from delspec.kernels import attention, layer_ops
 from delspec.kernels.build import library
-from delspec.kernels.layers import LayerKernels, prompt_tiles_ready
+from delspec.kernels.layers import LayerKernels, prompt_tiles_ready, set_fetch_first
 from delspec.kernels.scores import row_mass, top_logsumexp
 from delspec.model.modules import apply_rope, rope_inv_freq, rope_table
 from delspec.model.transformer import Transformer
@@ -96,6 +96,32 @@ def test_row_bits_do_not_depend_on_the_rows_computed_with_them(threads):
         assert torch.equal(alone, together)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reading_the_cache_first_changes_no_bit(threads):
+    """Attention with its cache read in order first (`dl_set_fetch_first`, the default) and
+    without: the same outputs and cache, for one row and for several."""
+    torch.manual_seed(2)
+    cos, sin = rope_table(rope_inv_freq(DIM, 10000.0), LENGTH, torch.float32)
+    prefix = torch.randn(2, KV_HEADS, LENGTH, DIM)
+    start = 30
+    previous, before = torch.get_num_threads(), set_fetch_first(True)
+    torch.set_num_threads(threads)
+    try:
+        for n in (1, 4):
+            qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM)
+            tables = cos[start : start + n], sin[start : start + n]
+            outs, caches = [], []
+            for fetch in (True, False):
+                set_fetch_first(fetch)
+                cache = prefix.clone()
+                outs.append(attention.fused_attention(qkv, *tables, cache, start, HEADS, None, 0.3))
+                caches.append(cache)
+            assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0], caches[1]), n
+    finally:
+        torch.set_num_threads(previous)
+        set_fetch_first(bool(before))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

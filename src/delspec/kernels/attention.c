@@ -289,6 +289,15 @@ static int64_t score_length(const Rows *R) {
     return top + 1;
 }
 
+/* Whether the tasks of a sequence's last row fetch its cache first (dl_set_fetch_first). */
+static int fetch_first = 1;
+
+int dl_set_fetch_first(int on) {
+    int before = fetch_first;
+    fetch_first = on != 0;
+    return before;
+}
+
 /* Reads share `part` of `parts` of the `count` cached keys and values from `k` and `v` (dim
  * floats each) once, in order: one stream each, which the hardware prefetchers follow at the
  * memory's pace. The products below read 8 keys at once, and a quarter of each value at a time:
@@ -391,7 +400,7 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
         int64_t from_cache = cached > lo ? cached - lo : 0, first_new = lo > cached ? lo : cached;
         /* the tasks of a sequence's last row (its most keys) run first: they fetch its cache,
          * a share each, for the tasks of its other rows too */
-        if (r == rows - 1 || cache_of(R, keys, r + 1) != cache_of(R, keys, r))
+        if (fetch_first && (r == rows - 1 || cache_of(R, keys, r + 1) != cache_of(R, keys, r)))
             fetch_rows(k + lo * dim, v + lo * dim, from_cache, dim, task % blocks, blocks);
         const float *new_values = qkv + v_offset + (int64_t)g * dim;
         scores_of(qr, dim, mh, k + lo * dim, dim, from_cache, dim, scores + lo, score_n);

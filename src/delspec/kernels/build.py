@@ -196,6 +196,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_set_four_tiles.restype = i32
     lib.dl_set_twin_row.argtypes = [i32]
     lib.dl_set_twin_row.restype = i32
+    lib.dl_set_fetch_first.argtypes = [i32]
+    lib.dl_set_fetch_first.restype = i32
     lib.dl_dequantize.argtypes = [i32, p, i64, p, i64, p, i32]
     lib.dl_dequantize.restype = i32
     lib.dl_tile_stride.argtypes = [i32, i64]

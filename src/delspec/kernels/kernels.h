@@ -134,6 +134,11 @@ void dl_attention_rows(const AttentionShape *s, const Rows *R, const float *qkv,
                        const float *cos, const float *sin, float *keys, float *values, float *out,
                        int written, float *scratch);
 int64_t dl_attention_scratch(const AttentionShape *s, const Rows *R);
+/* Whether the tasks of a sequence's last row first read its cached keys and values once in
+ * order, a share each (on != 0, the default), or leave them to the products' own reads: the
+ * same results either way (reads only), the faster measured per machine. Process-wide; returns
+ * the previous setting. */
+int dl_set_fetch_first(int on);
 /* dl_attention_rows for a prompt's rows on bfloat16 tiles (dl_prompt_tiles_ready; head size a
  * multiple of 32), the cache already written (dl_attention_write): keys, values, queries and
  * the softmax weights rounded to bfloat16, summed in float by tile instructions. Each row's bits

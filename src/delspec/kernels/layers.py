@@ -120,6 +120,14 @@ def set_twin_row(on: bool) -> bool | None:
     return None if lib is None else bool(lib.dl_set_twin_row(int(on)))
 
 
+def set_fetch_first(on: bool) -> bool | None:
+    """Have attention read a sequence's cached keys and values once in order before its
+    products (`on`) or not (`dl_set_fetch_first`: the same results, process-wide); the previous
+    setting, or None without the compiled kernels."""
+    lib = library()
+    return None if lib is None else bool(lib.dl_set_fetch_first(int(on)))
+
+
 def prompt_tiles_ready() -> bool:
     """Whether the compiled layers can run a prompt's products on bfloat16 tiles here (a CPU
     with AMX-BF16, whose tile state the process is granted)."""

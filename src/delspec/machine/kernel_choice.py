@@ -7,9 +7,9 @@ that shape, one product each, so that the weights stream from memory as in a rea
 fastest is kept. So is the prompt length from which the compiled layers run a prompt on
 bfloat16 tiles (`measure_prompt_tiles`), where the CPU has them, the row counts from which
 they split a call's per-row steps between the threads (`measure_split_rows`), and whether the
-products take four tiles of weight rows at once or pairs (`measure_four_tiles`), and whether a
-product of one row runs the two-row loop on the row and a copy of it (`measure_twin_row`). The
-record
+products take four tiles of weight rows at once or pairs (`measure_four_tiles`), whether a
+product of one row runs the two-row loop on the row and a copy of it (`measure_twin_row`), and
+whether attention reads its cache in order first (`measure_fetch_first`). The record
 (`measure_kernels`) is kept by the machine cache (`MachineProfile.choose_kernels`, `store`), keyed
 as every measurement of the machine is, and measured again when it grows old, as the cost
 profile is; the cost profile, measured with the chosen kernels, then sees their times.
@@ -25,13 +25,19 @@ from typing import Any
 import torch
 
 from delspec.kernels.build import cpu_name
-from delspec.kernels.layers import SPLIT_ROWS, prompt_tiles_ready, set_four_tiles, set_twin_row
+from delspec.kernels.layers import (
+    SPLIT_ROWS,
+    prompt_tiles_ready,
+    set_fetch_first,
+    set_four_tiles,
+    set_twin_row,
+)
 from delspec.kernels.products import ROW_BUCKETS
 from delspec.machine.timing import settled_seconds
 from delspec.model.modules import Linear
 from delspec.model.transformer import Transformer
 
-CHOICE_VERSION = 5
+CHOICE_VERSION = 6
 STREAMING_ROWS = 20  # products of up to this many rows are timed over every layer of a group
 PROMPT_ROWS = (16, 32, 64, 128)  # prompt lengths at which tiles and 8-bit products are timed
 # row counts at which calls without tiles (steps of several rows, short prompts) are timed with
@@ -41,6 +47,8 @@ PROMPT_LAYERS = 2  # ...through this many layers (a prompt's rows are compute-bo
 # a step's and verifications' row counts, timed through this many layers (enough weights to
 # stream from memory, as in a step) with four tiles at once and with pairs
 STEP_ROWS, STEP_LAYERS = (1, 4, 8), 8
+# cached positions at which whole steps are timed with attention fetching its cache first and not
+FETCH_POSITION = 512
 # seconds(candidate name, run) -> the time of `run()`; injectable for tests.
 Timer = Callable[[str, Callable[[], object]], float]
 
@@ -152,28 +160,78 @@ def measure_four_tiles(model: Transformer, timer: Timer | None = None) -> bool |
 
 def measure_twin_row(model: Transformer, timer: Timer | None = None) -> bool | None:
     """Whether one row's products run the two-row loop on the row and a copy of it (True) or
-    the one-row loop (False): every layer timed on one row both ways (the weights of a whole
-    step streaming from memory, as in decoding: the one-row loop's speed against the memory's
-    is what differs between CPUs), twinned where that takes less time. None without compiled
-    layers. The bits are the same either way."""
-    before = set_twin_row(False)
+    the one-row loop (False): whole one-row steps timed both ways (`_time_steps`: the one-row
+    loop's pace against the memory's is what differs between CPUs), twinned where that takes
+    less time. None without compiled layers. The bits are the same either way."""
+    return _switch_pays(model, set_twin_row, "twin", "one", 0, timer, default=False)
+
+
+def measure_fetch_first(model: Transformer, timer: Timer | None = None) -> bool | None:
+    """Whether attention reads a sequence's cached keys and values once in order before its
+    products (True) or not: whole one-row steps timed both ways at `FETCH_POSITION` cached
+    positions (where a CPU's last-level cache keeps a step's keys and values between steps,
+    the read costs a pass; where the weights evict them, it saves waiting on each line),
+    fetching unless that takes more time. None without compiled layers. The results are the
+    same either way."""
+    return _switch_pays(model, set_fetch_first, "fetch", "none", FETCH_POSITION, timer, True)
+
+
+def _switch_pays(
+    model: Transformer,
+    switch: Callable[[bool], bool | None],
+    on: str,
+    off: str,
+    position: int,
+    timer: Timer | None,
+    default: bool,
+) -> bool | None:
+    """Whether a process-wide `switch` of the kernels (the same bits either way) makes whole
+    one-row steps at `position` take less time on (named `on`) than off (`off`); a tie keeps
+    `default`. The switch is left as it was found. None without compiled layers."""
+    before = switch(default)
     if before is None:
         return None
-    variants: dict[str, dict[str, bool]] = {"twin": {}, "one": {}}
     try:
-        times = _time_calls(
-            model,
-            (1,),
-            variants,
-            timer,
-            model.num_layers,
-            lambda name: set_twin_row(name == "twin"),
-        )
+        times = _time_steps(model, position, (on, off), lambda name: switch(name == on), timer)
     finally:
-        set_twin_row(before)
+        switch(before)
     if times is None:
         return None
-    return times[1, "twin"] < times[1, "one"]
+    if times[on] == times[off]:
+        return default
+    return times[on] < times[off]
+
+
+def _time_steps(
+    model: Transformer,
+    position: int,
+    names: tuple[str, ...],
+    setup: Callable[[str], object],
+    timer: Timer | None,
+) -> dict[str, float] | None:
+    """Seconds of a whole one-row step (embedding, every compiled layer, final norm and LM
+    head, so that the weights stream through the caches as in decoding) at `position` (capped
+    by the model's positions) of a scratch cache, per name in `names`, `setup(name)` before
+    each call; None without compiled layers."""
+    position = max(0, min(position, model.config.max_position - 1))
+    with model.scratch_cache(position + 1), torch.inference_mode():
+        compiled = model.compiled_layers()
+        if compiled is None:
+            return None
+        ids = torch.zeros(1, dtype=torch.long, device=model.device)
+        runs = {}
+        for name in names:
+
+            def run(name: str = name) -> object:
+                setup(name)
+                h = compiled.run(model.embed(ids), [position], [0], 0, model.num_layers, None)
+                return model.head(h)
+
+            runs[name] = run
+        if timer is None:
+            times, _ = settled_seconds(runs, ROUNDS)
+            return times
+        return {name: timer(f"{position} positions, {name}", run) for name, run in runs.items()}
 
 
 def _time_calls(
@@ -251,6 +309,7 @@ def measure_kernels(model: Transformer) -> dict[str, Any]:
     stored["split_rows_from"] = {"plain": split[False], "tiles": split[True]}
     stored["four_tiles"] = measure_four_tiles(model)
     stored["twin_row"] = measure_twin_row(model)
+    stored["fetch_first"] = measure_fetch_first(model)
     return stored
 
 
@@ -262,5 +321,6 @@ def apply_kernels(model: Transformer, stored: dict[str, Any]) -> None:
     model.split_rows_from = {False: split["plain"], True: split["tiles"]}
     if stored["four_tiles"] is not None:  # process-wide: the last model chosen for sets it
         set_four_tiles(stored["four_tiles"])
-    if stored["twin_row"] is not None:  # process-wide, as four_tiles
-        set_twin_row(stored["twin_row"])
+    for switch, key in ((set_twin_row, "twin_row"), (set_fetch_first, "fetch_first")):
+        if stored[key] is not None:  # process-wide, as four_tiles
+            switch(stored[key])
