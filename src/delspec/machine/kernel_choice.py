@@ -59,6 +59,7 @@ def fastest(times: dict[str, float]) -> str:
 
 
 ROUNDS = 3  # rounds of a take in which the candidates take turns (`settled_seconds`)
+STEP_ROUNDS = 2  # ...where each call is a whole step (`_time_steps`), in at most two takes
 
 
 def layer_groups(model: Transformer) -> dict[str, list[Linear]]:
@@ -228,8 +229,8 @@ def _time_steps(
                 return model.head(h)
 
             runs[name] = run
-        if timer is None:
-            times, _ = settled_seconds(runs, ROUNDS)
+        if timer is None:  # a whole step per call: fewer calls than the layer timings take
+            times, _ = settled_seconds(runs, STEP_ROUNDS, tries=2)
             return times
         return {name: timer(f"{position} positions, {name}", run) for name, run in runs.items()}
 
