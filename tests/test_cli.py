@@ -289,11 +289,14 @@ def test_the_summary_breaks_between_fields(smollm2, capsys, monkeypatch):
     lines = capsys.readouterr().err.splitlines()
     field = (
         r"── \d+ tokens|decode [\d.]+ tok/s|prefill \d+ ms|end-to-end [\d.]+ tok/s|strategy static"
-        r"|acceptance \d+%|mean exit layer 26\.0|mean draft [\d.]+|eTPL [\d.]+"
+        r"|drafted \d+|acceptance \d+%|mean exit layer 26\.0|mean draft [\d.]+|eTPL [\d.]+"
     )
     fields = [f for line in lines for f in line.split(" · ")]
-    assert len(lines) > 1 and len(fields) == 9
+    assert len(lines) > 1 and len(fields) == 10
     assert all(re.fullmatch(field, f) for f in fields), lines
+    assert main(["generate", "Hello", "--max-new-tokens", "6", "--strategy", "ar"]) == 0
+    summary = capsys.readouterr().err
+    assert "strategy ar" in summary and "drafted" not in summary
 
 
 def test_output_paths_are_checked_before_the_work(no_model, capsys, tmp_path):

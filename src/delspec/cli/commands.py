@@ -192,6 +192,8 @@ def _print_summary(result: Result, terminal: bool) -> None:
         f"end-to-end {end_to_end:.1f} tok/s",
         f"strategy {result.strategy}",
     ]
+    if result.strategy != "ar":  # a strategy that may draft: how many it did (0 is news too)
+        fields.append(f"drafted {s.drafted}")
     if s.acceptance_rate is not None:
         fields.append(f"acceptance {s.acceptance_rate:.0%}")
     if s.mean_exit_layer is not None:
