@@ -1194,11 +1194,11 @@ int64_t dl_tile_stride(int type, int64_t K) {
     return layout_of(type, &L) ? K / L.values * L.tile_bytes : 0;
 }
 
-/* One tile's rows (width <= 8) for rows first.. first + count - 1 of a. */
 /* Rows a kernel computes for `rows` of `a`: one row and its twin where `a` holds one (only the
  * first row is stored). */
 static inline int twinned(const Activations *a, int rows) { return rows == 1 && a->twin ? 2 : rows; }
 
+/* One tile's rows (width <= 8) for rows first.. first + count - 1 of a. */
 static void one_tile(int type, const uint8_t *tile, const Activations *a, int64_t first,
                      int64_t count, float *y, int64_t ldy, int width) {
     Layout L;
