@@ -125,6 +125,24 @@ def test_calls_split_their_rows_from_where_it_pays_at_every_larger_count(slower,
     assert len(timed) == 2 * len(kernel_choice.SPLIT_COUNTS)
 
 
+def noting_switch(
+    timer: kernel_choice.Timer, switch, settings: list[bool | None]
+) -> kernel_choice.Timer:
+    """`timer`, noting in `settings` the process-wide `switch`'s setting each timed call ran
+    with (read by setting it, then set back)."""
+
+    def watching(name: str, run) -> float:
+        def checked() -> object:
+            out = run()
+            settings.append(switch(True))
+            switch(settings[-1])
+            return out
+
+        return timer(name, checked)
+
+    return watching
+
+
 FOUR_TILES = pytest.mark.skipif(
     library() is None or set_four_tiles(True) is None,
     reason="no four-tile path in this build of the kernels (AVX-512 VNNI)",
@@ -144,17 +162,9 @@ def test_four_tiles_taken_where_they_take_less_time_summed(faster, slower, expec
     settings: list[bool | None] = []
     timer = faster_but_at(faster, slower, timed)
 
-    def watching(name: str, run) -> float:
-        def checked() -> object:
-            out = run()
-            settings.append(set_four_tiles(True))  # what the call ran with
-            set_four_tiles(settings[-1])
-            return out
-
-        return timer(name, checked)
-
     set_four_tiles(False)
     try:
+        watching = noting_switch(timer, set_four_tiles, settings)
         assert kernel_choice.measure_four_tiles(model, watching) is expected
         assert set_four_tiles(False) is False  # as it was before
     finally:
@@ -184,15 +194,7 @@ def test_switches_taken_where_whole_steps_take_less_time(
     settings: list[bool | None] = []
     timer = faster_but_at(on if faster_on else off, set(), timed)
 
-    def watching(name: str, run) -> float:
-        def checked() -> object:
-            out = run()
-            settings.append(switch(default))  # what the call ran with
-            switch(settings[-1])
-            return out
-
-        return timer(name, checked)
-
+    watching = noting_switch(timer, switch, settings)
     for before in (False, True):
         timed.clear()
         settings.clear()
