@@ -357,8 +357,10 @@ def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
                 set_twin_row(bool(before))
             # one row as decoding takes it where the machine measured right: the faster way
             m1_us = min(timed[1, False], timed[1, True])
+            step_us[1] += m1_us * count
             for (m, twin), us in timed.items():
-                step_us[m] += 0.0 if m == 1 else us * count
+                if m > 1:
+                    step_us[m] += us * count
                 gb_s = weights[kind][0].nbytes / us / 1e3
                 rows.append({
                     "shape": shape, "product": kind, "type": qtype.name, "rows": n, "cols": k,
@@ -368,7 +370,6 @@ def bench_synthetic(shape: str, repeats: int, llama_bench: str | None) -> dict:
                     "share_of_bandwidth": round(gb_s / bandwidth, 3),
                     "m_over_m1": round(us / m1_us, 2),
                 })  # fmt: skip
-            step_us[1] += m1_us * count
         tg, ar = peer_and_ar(llama_bench, path, threads)
         steps[threads] = {
             "bandwidth_gb_per_s": round(bandwidth, 2),
